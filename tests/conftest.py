@@ -1,0 +1,27 @@
+import os
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from eagle_core.target import load_target, make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target (float32, CPU) and its tokenizer, loaded once per session."""
+    return load_target("smollm2-135m", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    return smollm2[1]
+
+
+@pytest.fixture
+def tiny_target():
+    """A random-weight 6-layer Llama (vocab 512, hidden 64) for fast unit tests."""
+    return make_tiny_llama()
