@@ -17,8 +17,13 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2):
-    return smollm2[1]
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer alone (no model weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from eagle_core.target import materialize_hf_folder
+
+    return AutoTokenizer.from_pretrained(materialize_hf_folder("smollm2-135m"))
 
 
 @pytest.fixture
