@@ -1,0 +1,183 @@
+"""EAGLE-2 dynamic draft trees.
+
+From the accepted prefix the draft grows a tree of continuations of the root token (the last token the
+target produced, not yet in the target's cache):
+
+1. the draft's output at the last accepted position gives the root's children: its `top_k` best tokens;
+2. for `depth - 1` further steps the `top_k` frontier nodes with the best cumulative draft log-prob are
+   fed to the draft together (one forward, tree mask: each sees the accepted prefix and its own
+   ancestors), and each proposes its `top_k` best children, scored by cumulative log-prob;
+3. all candidates are reranked by score and the best `total_tokens` are kept.
+
+A child's score is its parent's plus a log-prob <= 0, so it never exceeds its parent's; ordering by score
+with a stable sort (parents are created before their children) therefore never keeps a child without its
+parent: the kept set is a connected tree. Chain drafting is `top_k=1` (then `total_tokens <= depth`).
+
+Draft positions: the draft's entry at position p pairs the target feature of token p with token p+1, and
+predicts token p+2. A node at depth d sits at target position `root + d`; its draft entry is fed the
+draft's output hidden state of its parent's entry (EAGLE's own-feature recursion) at position
+`root + d - 1`. The tree entries are never added to the draft's cache: they are discarded after the round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle_core.kv import DraftKV, attention_allowed
+
+
+@dataclass
+class TreeConfig:
+    top_k: int = 8
+    depth: int = 6
+    total_tokens: int = 32  # draft nodes kept (the verified tree has total_tokens + 1 tokens with the root)
+
+    def __post_init__(self):
+        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 1:
+            raise ValueError(f"TreeConfig needs positive top_k, depth, total_tokens: {self}")
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    @property
+    def size(self) -> int:
+        """Draft nodes actually kept: `total_tokens`, capped by the number of candidates."""
+        return min(self.total_tokens, self.num_candidates)
+
+    @classmethod
+    def chain(cls, length: int) -> "TreeConfig":
+        return cls(top_k=1, depth=length, total_tokens=length)
+
+
+@dataclass
+class Tree:
+    """A batch of trees of equal size N = nodes + 1; index 0 is the root, parents precede children."""
+
+    tokens: torch.Tensor  # [B, N] target-vocab ids
+    parents: torch.Tensor  # [B, N] index of the parent (the root is its own parent)
+    depth: torch.Tensor  # [B, N] root 0
+    ancestors: torch.Tensor  # [B, N, N] bool: ancestors[b, i, j] = j is i or an ancestor of i
+    rank: torch.Tensor  # [B, N] 0 for the root, 1.. = place in the draft's score order
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] parent indices -> [B, N, N] ancestor-or-self mask, by pointer doubling.
+
+    Invariant after step t: anc[i] = i and its ancestors at distance < 2^t; up[i] = its 2^t-th ancestor
+    (the root once there are fewer). log2(N) + 1 steps cover any depth.
+    """
+    b, n = parents.shape
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    up = parents
+    for _ in range(max(n - 1, 1).bit_length()):
+        anc = anc | anc.gather(1, up[:, :, None].expand(b, n, n))
+        up = up.gather(1, up)
+    return anc
+
+
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, rank: torch.Tensor | None = None) -> Tree:
+    """Build a `Tree` from tokens [B, N] and parents [B, N] (parents[:, i] < i for i > 0, parents[:, 0] = 0)."""
+    anc = ancestor_matrix(parents)
+    depth = anc.sum(-1) - 1
+    if rank is None:
+        rank = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return Tree(tokens=tokens, parents=parents, depth=depth, ancestors=anc, rank=rank)
+
+
+def _topk_logprobs(draft, out_hidden: torch.Tensor, k: int):
+    # out_hidden: [B, F, H] -> (log-probs [B, F, k] float32, target-vocab ids [B, F, k])
+    logp = torch.log_softmax(draft.compute_logits(out_hidden).float(), dim=-1)
+    scores, ids = logp.topk(k, dim=-1)
+    return scores, draft.draft_to_target(ids)
+
+
+@torch.inference_mode()
+def draft_tree(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, config: TreeConfig) -> Tree:
+    """Grow the EAGLE-2 tree for every row.
+
+    root_hidden: [B, 1, H] the draft's output at the last accepted position (paired with the root token);
+    root: [B] the root tokens. The draft cache `dkv` holds the accepted prefix and is left unchanged.
+    """
+    k = config.top_k
+    b = root.shape[0]
+    device = root.device
+    scores, tokens = _topk_logprobs(draft, root_hidden, k)  # [B, 1, k]
+    # Candidates, in creation order (a parent always precedes its children). Parent id 0 = root,
+    # candidate c has id c + 1.
+    cand_scores, cand_tokens = [scores[:, 0]], [tokens[:, 0]]
+    cand_parents = [torch.zeros(b, k, dtype=torch.long, device=device)]
+    n_cand = k
+
+    front_scores, front_tokens = scores[:, 0], tokens[:, 0]  # [B, k]
+    front_ids = torch.arange(1, k + 1, device=device).expand(b, k)  # candidate ids of the frontier
+    front_hidden = root_hidden.expand(b, k, root_hidden.shape[-1])  # what each frontier entry is fed
+    front_anc = torch.zeros(b, k, 0, dtype=torch.bool, device=device)  # ancestors among tree entries
+    tree_k, tree_v = [], []
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+    for level in range(1, config.depth):
+        # front_*: [B, k]; this level's entries sit at draft position root - 1 + level.
+        position_ids = (dkv.lengths[:, None] + (level - 1)).expand(b, k)
+        new_mask = torch.cat([front_anc, eye], dim=-1)  # [B, k, E+k] over tree entries so far + new
+        mask = attention_allowed(dkv.lengths, dkv.width, new_mask)  # [B, 1, k, P+E+k]
+        past = _past_with_tree(dkv, tree_k, tree_v)
+        out, (nk, nv) = draft(front_hidden, front_tokens, position_ids, attention_mask=mask, past_kv=past)
+        tree_k.append(nk)
+        tree_v.append(nv)
+
+        child_scores, child_tokens = _topk_logprobs(draft, out, k)  # [B, k, k]
+        child_scores = (front_scores[:, :, None] + child_scores).reshape(b, k * k)
+        child_tokens = child_tokens.reshape(b, k * k)
+        cand_scores.append(child_scores)
+        cand_tokens.append(child_tokens)
+        cand_parents.append(front_ids[:, :, None].expand(b, k, k).reshape(b, k * k))
+        child_ids = n_cand + 1 + torch.arange(k * k, device=device).expand(b, k * k)
+        n_cand += k * k
+        if level == config.depth - 1:
+            break
+        # The next frontier: the k best children; each is fed its parent entry's output hidden state.
+        front_scores, pick = child_scores.topk(k, dim=-1)  # [B, k]
+        slot = pick // k  # which entry of this level is the parent
+        front_tokens = child_tokens.gather(1, pick)
+        front_ids = child_ids.gather(1, pick)
+        front_hidden = out.gather(1, slot[:, :, None].expand(b, k, out.shape[-1]))
+        parent_anc = front_anc.gather(1, slot[:, :, None].expand(b, k, front_anc.shape[-1]))
+        front_anc = torch.cat([parent_anc, torch.nn.functional.one_hot(slot, k).bool()], dim=-1)
+
+    return _rerank(root, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
+                   config.size)
+
+
+def _past_with_tree(dkv: DraftKV, tree_k: list, tree_v: list):
+    if not tree_k:
+        return dkv.past()
+    ks = ([dkv.k] if dkv.k is not None else []) + tree_k
+    vs = ([dkv.v] if dkv.v is not None else []) + tree_v
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+def _rerank(root, scores, tokens, parents, size: int) -> Tree:
+    """Keep the `size` best candidates (stable order: ties keep parents first) and flatten them.
+
+    scores, tokens, parents: [B, M] over candidates in creation order (parents: candidate id, 0 = root).
+    """
+    b, m = scores.shape
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [B, M]
+    kept = order[:, :size].sort(dim=-1).values  # creation order = parents first; [B, T]
+    # rank of each candidate in score order (1-based) and its index in the flattened tree (0 = root).
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(1, m + 1, device=order.device).expand(b, m))
+    tree_index = torch.zeros(b, m + 1, dtype=torch.long, device=order.device)
+    tree_index.scatter_(1, kept + 1, torch.arange(1, size + 1, device=order.device).expand(b, size))
+    node_parents = tree_index.gather(1, parents.gather(1, kept))  # [B, T]
+    zeros = torch.zeros(b, 1, dtype=torch.long, device=order.device)
+    return tree_from_parents(
+        tokens=torch.cat([root[:, None], tokens.gather(1, kept)], dim=1),
+        parents=torch.cat([zeros, node_parents], dim=1),
+        rank=torch.cat([zeros, rank.gather(1, kept)], dim=1),
+    )
