@@ -1,0 +1,97 @@
+"""Target loading and multi-layer feature capture."""
+
+import pytest
+import torch
+
+from eagle_core.chat import prompt_ids
+from eagle_core.target import (
+    capture_features,
+    default_aux_layer_ids,
+    load_target,
+    make_tiny_llama,
+    materialize_hf_folder,
+    record_hidden_states,
+)
+
+
+def reference_features(model, input_ids, attention_mask, aux_layer_ids):
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    hs = out.hidden_states
+    return torch.cat([hs[j] for j in aux_layer_ids], dim=-1), hs[-1], out.logits
+
+
+@pytest.mark.parametrize("aux_layer_ids", [None, [0, 1, 5], [3, 1, 4]])
+def test_capture_equals_output_hidden_states_slices(aux_layer_ids):
+    model = make_tiny_llama(dtype=torch.float64)
+    torch.manual_seed(0)
+    input_ids = torch.randint(3, 512, (3, 17))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :5] = 0  # left padding on one row
+    ids = aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
+    got = capture_features(model, input_ids, attention_mask, aux_layer_ids, return_logits=True)
+    aux, last, logits = reference_features(model, input_ids, attention_mask, ids)
+    assert got.aux_hidden.shape == (3, 17, 3 * 64)
+    torch.testing.assert_close(got.aux_hidden, aux, rtol=0, atol=0)
+    torch.testing.assert_close(got.last_hidden, last, rtol=0, atol=0)
+    torch.testing.assert_close(got.logits, logits, rtol=0, atol=0)
+    # The final hidden state is what the lm_head sees.
+    torch.testing.assert_close(model.lm_head(got.last_hidden), logits)
+
+
+def test_default_aux_layer_ids_follow_the_convention():
+    assert default_aux_layer_ids(30) == [2, 15, 27]
+    assert default_aux_layer_ids(6) == [2, 3, 3]
+
+
+def test_out_of_range_layer_id_is_refused():
+    model = make_tiny_llama()
+    with pytest.raises(ValueError, match="out of range"):
+        with record_hidden_states(model, [0, 3, 6]):
+            pass
+
+
+def test_hooks_are_removed_after_capture():
+    model = make_tiny_llama()
+    capture_features(model, torch.randint(0, 512, (1, 4)))
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_tiny_llama_is_deterministic_per_seed():
+    a, b, c = make_tiny_llama(seed=1), make_tiny_llama(seed=1), make_tiny_llama(seed=2)
+    wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_unknown_target_spec_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither"):
+        materialize_hf_folder(tmp_path)
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        materialize_hf_folder(tmp_path / "missing.gguf")
+
+
+@pytest.mark.slow
+def test_real_smollm2_answers_a_simple_question(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    ids = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_real_smollm2_capture_matches_hidden_states(smollm2):
+    model, tokenizer = smollm2
+    ids = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]])
+    got = capture_features(model, ids)
+    aux, last, _ = reference_features(model, ids, None, [2, 15, 27])
+    torch.testing.assert_close(got.aux_hidden, aux)
+    torch.testing.assert_close(got.last_hidden, last)
+
+
+@pytest.mark.slow
+def test_cached_conversion_loads_identical_weights(smollm2):
+    model, _ = smollm2
+    again, _ = load_target("smollm2-135m", device="cpu", dtype="float32")
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
