@@ -50,6 +50,16 @@ def test_rope_matches_target(tiny_target):
     torch.testing.assert_close(sin[:, 0], sin_t, rtol=1e-5, atol=1e-5)
 
 
+def test_rope_keeps_float32_frequencies_in_bf16(tiny_target):
+    """`.to(bfloat16)` must not round the rotary frequencies (errors grow with the position)."""
+    draft = _draft(tiny_target)
+    pos = torch.tensor([[0, 1000, 3000, 4000]])
+    cos32, sin32 = draft.rope(pos, torch.float32)
+    cos16, sin16 = draft.to(torch.bfloat16).rope(pos, torch.bfloat16)
+    torch.testing.assert_close(cos16.float(), cos32, rtol=0, atol=8e-3)
+    torch.testing.assert_close(sin16.float(), sin32, rtol=0, atol=8e-3)
+
+
 def test_kv_cache_matches_full_forward(tiny_target):
     """Running a sequence in chunks with the returned (k, v) equals one causal forward."""
     draft = _draft(tiny_target).eval()
@@ -96,7 +106,9 @@ def test_lm_head_from_target_rows(tiny_target):
     draft = _draft(tiny_target, lm_head_init="target", draft_vocab_size=8)
     rows = draft.draft_to_target(torch.arange(8))
     assert torch.equal(draft.lm_head.weight, tiny_target.get_output_embeddings().weight[rows])
-    assert not draft.lm_head.weight.requires_grad
+    assert not draft.lm_head.weight.requires_grad  # speculators' recipe: frozen
+    trainable = _draft(tiny_target, lm_head_init="target", freeze_lm_head=False, draft_vocab_size=8)
+    assert trainable.lm_head.weight.requires_grad
 
 
 def test_draft_hidden_size_can_differ():
