@@ -1,0 +1,371 @@
+"""Training-time test (TTT): the EAGLE-3 loss, the efficient attention it needs, and a bare training loop.
+
+Shapes: B batch, L sequence, H draft hidden, K `ttt_steps`, Vd `draft_vocab_size`.
+
+What step k sees at column t (t = 0..L-1):
+    step 0: hidden = fc(aux features of position t), token x[t+1], rotary position p(t)
+    step k: hidden = the draft's own step-(k-1) output at column t, token x[t+k+1], position p(t) + k
+    it predicts x[t+k+2]: target = softmax of the target's logits at position t+k+1, restricted to the
+    draft vocab and renormalised; the position counts when loss_mask[t+k+2] is set.
+Attention of step k at column t: the step-0 keys of columns s <= t (causal, padding removed) plus the
+keys that column t itself produced at steps 1..k (diagonal blocks). So step k needs only the step-0
+[L, L] block and k per-column dot products; the (K*L)^2 mask of the naive formulation never exists.
+`ttt_forward_naive` is that naive formulation, kept as the executable definition for tests and benchmarks.
+
+Loss = sum_k 0.8**k * mean over masked positions of soft cross-entropy(target, draft). Positions whose
+target token is outside the draft vocab still count (the draft is penalised for not covering it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from eagle_core.draft import Eagle3Draft, repeat_kv
+from eagle_core.vocab import draft_ids_from_mapping
+
+NOISE_KINDS = ("none", "uniform", "gaussian")
+
+
+@dataclass
+class HiddenNoise:
+    """Noise on the target features during training (EAGLE-1's robustness trick); off by default."""
+    kind: str = "none"  # "uniform": U(-scale, scale); "gaussian": N(0, scale^2)
+    scale: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in NOISE_KINDS:
+            raise ValueError(f"noise kind must be one of {NOISE_KINDS}, got {self.kind!r}")
+
+    def apply(self, x):
+        if self.kind == "none" or self.scale == 0:
+            return x
+        if self.kind == "uniform":
+            return x + (torch.rand_like(x) * 2 - 1) * self.scale
+        return x + torch.randn_like(x) * self.scale
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar, differentiable: sum_k step_weight[k] * step_losses[k]
+    step_losses: torch.Tensor  # [K] (detached)
+    step_accuracies: torch.Tensor  # [K] top-1 of the draft (mapped to target ids) vs the target's argmax
+    step_counts: torch.Tensor  # [K] number of loss positions per step
+    logits: list[torch.Tensor] | None = None  # K x [B, L, Vd] when requested
+
+    @property
+    def accept_length(self) -> float:
+        return simulated_accept_length(self.step_accuracies)
+
+    def metrics(self) -> dict:
+        out = {"loss": float(self.loss.detach()), "accept_length": self.accept_length}
+        for k, (loss, acc) in enumerate(zip(self.step_losses.tolist(), self.step_accuracies.tolist())):
+            out[f"loss_{k}"], out[f"acc_{k}"] = loss, acc
+        return out
+
+
+def simulated_accept_length(step_accuracies) -> float:
+    """Expected tokens per target forward for a chain draft: 1 (bonus) + sum_k prod_{j<=k} acc_j.
+
+    Step k's accuracy is measured with the true tokens fed back, i.e. conditional on steps < k being
+    right, so the product is the probability that the first k+1 drafted tokens are all accepted.
+    """
+    accs = torch.as_tensor(step_accuracies, dtype=torch.float64)
+    return float(1 + torch.cumprod(accs, 0).sum())
+
+
+# ---------------------------------------------------------------------------------------------------
+# target side (no gradient)
+
+
+@torch.no_grad()
+def target_distribution(last_hidden, target_lm_head_weight, d2t):
+    """The target's softmax over the draft vocab (renormalised) and its full-vocab argmax.
+
+    last_hidden: [B, L, Ht] (after the target's final norm); target_lm_head_weight: [V, Ht]
+    returns target_p [B, L, Vd] float32 and target_argmax [B, L] (target ids)
+    """
+    w = target_lm_head_weight
+    hidden = last_hidden.to(w.device, w.dtype)
+    target_argmax = F.linear(hidden, w).argmax(-1)
+    rows = draft_ids_from_mapping(d2t).to(w.device)
+    # Softmax restricted to a subset and renormalised == softmax of that subset's logits (float32).
+    target_p = torch.softmax(F.linear(hidden.float(), w[rows].float()), dim=-1)
+    return target_p, target_argmax
+
+
+def positions_from_mask(attention_mask):
+    # attention_mask: [B, L] (1 = real token) -> rotary positions [B, L] that skip left padding
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def step0_key_mask(attention_mask):
+    """bool [B, 1, L, L]: column t sees columns s <= t that are real tokens, and always itself.
+
+    "Always itself" keeps a fully padded row finite; its loss is masked anyway.
+    """
+    L = attention_mask.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=attention_mask.device).tril()
+    valid = causal[None] & attention_mask.bool()[:, None, :]
+    return (valid | torch.eye(L, dtype=torch.bool, device=attention_mask.device))[:, None]
+
+
+def shift_tokens(input_ids, n):
+    # input_ids: [B, L] -> [B, L] with x[t + n] at column t, id 0 past the end
+    return F.pad(input_ids[:, n:], (0, n), value=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# efficient TTT
+
+
+def ttt_attention(q, k0, v0, mask0, diag_k, diag_v):
+    """Attention of one TTT step: the causal step-0 block plus per-column diagonal entries.
+
+    q: [B, nh, L, D]; k0, v0: [B, nh, L, D] (kv heads already repeated); mask0: bool [B, 1, L, L]
+    diag_k, diag_v: the same column's keys/values of steps 1..k, each [B, nh, L, D]
+    returns [B, nh, L, D]; softmax in float32 via one log-sum-exp, so the [L, L+k] concat never exists
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores0 = (q @ k0.transpose(-1, -2)).float() * scale  # [B, nh, L, L]
+    scores0 = scores0.masked_fill(~mask0, float("-inf"))
+    lse = torch.logsumexp(scores0, dim=-1)  # [B, nh, L]
+    diag = [(q * kj).sum(-1).float() * scale for kj in diag_k]  # k x [B, nh, L]
+    if diag:
+        lse = torch.logaddexp(lse, torch.logsumexp(torch.stack(diag, -1), dim=-1))
+    out = torch.exp(scores0 - lse[..., None]).to(v0.dtype) @ v0
+    for dj, vj in zip(diag, diag_v):
+        out = out + torch.exp(dj - lse)[..., None].to(vj.dtype) * vj
+    return out
+
+
+def ttt_forward(
+    draft: Eagle3Draft,
+    input_ids,
+    loss_mask,
+    aux_hidden,
+    target_last_hidden,
+    target_lm_head_weight,
+    attention_mask=None,
+    ttt_steps: int | None = None,
+    step_decay: float = 0.8,
+    noise: HiddenNoise | None = None,
+    return_logits: bool = False,
+) -> TTTOutput:
+    """TTT loss over a padded batch.
+
+    input_ids, loss_mask, attention_mask: [B, L]; aux_hidden: [B, L, 3Ht]; target_last_hidden: [B, L, Ht]
+    target_lm_head_weight: [V, Ht] (frozen; the target's distribution is computed here, without grad)
+    """
+    K = ttt_steps or draft.config.ttt_steps
+    B, L = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    target_p, target_argmax = target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
+    loss_mask = loss_mask.to(target_p.dtype) * attention_mask.to(target_p.dtype)
+    positions = positions_from_mask(attention_mask)
+    mask0 = step0_key_mask(attention_mask)
+    n_rep = draft.num_heads // draft.num_kv_heads
+
+    if draft.training and noise is not None:
+        aux_hidden = noise.apply(aux_hidden)
+    hidden = draft.fuse(aux_hidden)  # [B, L, H]
+    k0 = v0 = None
+    diag_k, diag_v, results = [], [], []
+    for k in range(K):
+        q, kk, vv, residual = draft.project_qkv(hidden, shift_tokens(input_ids, k + 1), positions + k)
+        kk, vv = repeat_kv(kk, n_rep), repeat_kv(vv, n_rep)
+        if k == 0:
+            k0, v0 = kk, vv
+        else:
+            diag_k.append(kk)
+            diag_v.append(vv)
+        hidden = draft.finish_layer(ttt_attention(q, k0, v0, mask0, diag_k, diag_v), residual)
+        logits = draft.compute_logits(hidden)  # [B, L, Vd] float32
+        results.append((logits, *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+    return _collect(results, step_decay, return_logits)
+
+
+def step_loss(draft, logits, k, target_p, target_argmax, loss_mask):
+    """Soft cross-entropy and top-1 hits of step k over its valid columns t < L-k-2.
+
+    logits: [B, L, Vd]; target_p: [B, L, Vd]; target_argmax, loss_mask: [B, L]
+    returns (summed loss, hits, count) as 0-d tensors
+    """
+    L = logits.shape[1]
+    n = max(L - k - 2, 0)
+    logits = logits[:, :n]
+    mask = loss_mask[:, k + 2:]  # token t+k+2 is what column t predicts at step k
+    p = target_p[:, k + 1: k + 1 + n]  # the target's distribution for that token
+    ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, n]
+    with torch.no_grad():
+        hits = (draft.draft_to_target(logits.argmax(-1)) == target_argmax[:, k + 1: k + 1 + n]).float()
+    return (ce * mask).sum(), (hits * mask).sum(), mask.sum()
+
+
+def _collect(results, step_decay, return_logits) -> TTTOutput:
+    losses, accs, counts, total = [], [], [], 0.0
+    for k, (_, loss_sum, hits, count) in enumerate(results):
+        denom = count.clamp(min=1)
+        step = loss_sum / denom
+        total = total + (step_decay ** k) * step
+        losses.append(step.detach())
+        accs.append((hits / denom).detach())
+        counts.append(count.detach())
+    return TTTOutput(
+        loss=total,
+        step_losses=torch.stack(losses),
+        step_accuracies=torch.stack(accs),
+        step_counts=torch.stack(counts),
+        logits=[r[0] for r in results] if return_logits else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# naive reference: rebuild every step's whole input sequence and attend with an explicit mask
+
+
+def naive_ttt_mask(attention_mask, steps: int):
+    """bool [B, 1, steps*L, steps*L] over the flattened (step, column) sequence; the definition of TTT attention."""
+    B, L = attention_mask.shape
+    mask0 = step0_key_mask(attention_mask)[:, 0]  # [B, L, L]
+    eye = torch.eye(L, dtype=torch.bool, device=attention_mask.device)
+    full = torch.zeros(B, steps * L, steps * L, dtype=torch.bool, device=attention_mask.device)
+    for j in range(steps):  # query step
+        rows = slice(j * L, (j + 1) * L)
+        full[:, rows, :L] = mask0
+        for i in range(1, j + 1):  # own column at earlier (and the same) steps
+            full[:, rows, i * L:(i + 1) * L] = eye
+    return full[:, None]
+
+
+def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidden, target_lm_head_weight,
+                      attention_mask=None, ttt_steps=None, step_decay=0.8, return_logits=False) -> TTTOutput:
+    """Same contract as `ttt_forward`, computed the slow and obvious way: O((K*L)^2) attention."""
+    K = ttt_steps or draft.config.ttt_steps
+    B, L = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    target_p, target_argmax = target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
+    loss_mask = loss_mask.to(target_p.dtype) * attention_mask.to(target_p.dtype)
+    positions = positions_from_mask(attention_mask)
+
+    hiddens = [draft.fuse(aux_hidden)]  # step j's input hidden, [B, L, H] each
+    results = []
+    for k in range(K):
+        seq_hidden = torch.cat(hiddens, dim=1)  # [B, (k+1)L, H]
+        seq_ids = torch.cat([shift_tokens(input_ids, j + 1) for j in range(k + 1)], dim=1)
+        seq_pos = torch.cat([positions + j for j in range(k + 1)], dim=1)
+        out, _ = draft(seq_hidden, seq_ids, seq_pos, attention_mask=naive_ttt_mask(attention_mask, k + 1))
+        hidden = out[:, k * L:]
+        hiddens.append(hidden)
+        logits = draft.compute_logits(hidden)
+        results.append((logits, *_naive_step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+    return _collect(results, step_decay, return_logits)
+
+
+def _naive_step_loss(draft, logits, k, target_p, target_argmax, loss_mask):
+    # Position by position, straight from the definition in the module docstring.
+    B, L, _ = logits.shape
+    loss_sum = logits.new_zeros(())
+    hits = count = 0.0
+    for b in range(B):
+        for t in range(L):
+            if t + k + 2 >= L or loss_mask[b, t + k + 2] == 0:
+                continue
+            log_q = torch.log_softmax(logits[b, t], dim=-1)
+            loss_sum = loss_sum - (target_p[b, t + k + 1] * log_q).sum()
+            hits += float(draft.draft_to_target(logits[b, t].argmax()) == target_argmax[b, t + k + 1])
+            count += 1
+    return loss_sum, torch.tensor(hits), torch.tensor(count)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a bare single-process training loop (the Ray Train job wraps the same `train_step`)
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 0.5
+    step_decay: float = 0.8
+    ttt_steps: int | None = None  # None = the draft config's
+    noise: HiddenNoise = field(default_factory=HiddenNoise)
+
+
+def trainable_parameters(draft):
+    return [p for p in draft.parameters() if p.requires_grad]
+
+
+def make_optimizer(draft, cfg: TrainConfig):
+    """AdamW over the trainable weights (the frozen embeddings and a frozen lm_head are skipped)."""
+    return torch.optim.AdamW(trainable_parameters(draft), lr=cfg.lr, betas=cfg.betas,
+                             weight_decay=cfg.weight_decay)
+
+
+def warmup_cosine(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier: linear warm-up, then cosine down to min_lr_ratio at total_steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_scheduler(optimizer, cfg: TrainConfig):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, cfg))
+
+
+def batch_to(batch: dict, device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig) -> dict:
+    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask]}."""
+    draft.train()
+    out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+                      target_lm_head_weight, attention_mask=batch.get("attention_mask"),
+                      ttt_steps=cfg.ttt_steps, step_decay=cfg.step_decay, noise=cfg.noise)
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    metrics = out.metrics()
+    metrics.update(grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0],
+                   tokens=int(batch["attention_mask"].sum()) if "attention_mask" in batch
+                   else batch["input_ids"].numel())
+    return metrics
+
+
+def train_draft_steps(draft, batches: Iterable[dict], target_lm_head_weight, cfg: TrainConfig,
+                      optimizer=None, scheduler=None, on_step=None) -> list[dict]:
+    """Run `cfg.total_steps` steps (cycling `batches` if needed); returns per-step metrics.
+
+    `on_step(step, metrics)` is where a caller logs or checkpoints; return True from it to stop early.
+    """
+    optimizer = optimizer or make_optimizer(draft, cfg)
+    scheduler = scheduler or make_scheduler(optimizer, cfg)
+    device = draft.fc.weight.device
+    history, step = [], 0
+    while step < cfg.total_steps:
+        progressed = False
+        for batch in batches:
+            metrics = train_step(draft, batch_to(batch, device), target_lm_head_weight, optimizer, scheduler, cfg)
+            history.append(metrics)
+            step += 1
+            progressed = True
+            if (on_step and on_step(step, metrics)) or step >= cfg.total_steps:
+                return history
+        if not progressed:  # an exhausted one-shot iterator: stop where the data ends
+            break
+    return history

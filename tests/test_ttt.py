@@ -1,0 +1,138 @@
+"""Training-time test: the efficient TTT equals the naive full-mask formulation (loss, logits, gradients)."""
+
+import pytest
+import torch
+
+from eagle_core.draft import Eagle3Draft
+from eagle_core.target import capture_features
+from eagle_core.ttt import (HiddenNoise, TrainConfig, simulated_accept_length, target_distribution,
+                            train_draft_steps, ttt_forward, ttt_forward_naive, warmup_cosine)
+from eagle_core.vocab import build_vocab_mapping
+
+B, L = 2, 12
+
+
+def _batch(target, padding: str, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, target.config.vocab_size, (B, L), generator=g)
+    attention_mask = torch.ones(B, L, dtype=torch.long)
+    if padding == "right":
+        attention_mask[1, 8:] = 0
+    elif padding == "left":
+        attention_mask[1, :3] = 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
+    loss_mask = (torch.rand(B, L, generator=g) > 0.3).long() * attention_mask
+    feats = capture_features(target, input_ids, attention_mask=attention_mask)
+    return dict(input_ids=input_ids, loss_mask=loss_mask, attention_mask=attention_mask,
+                aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden)
+
+
+def _draft(target, seed=0, **kw):
+    torch.manual_seed(seed)
+    counts = torch.randint(0, 100, (target.config.vocab_size,))
+    d2t, t2d = build_vocab_mapping(counts, 96)  # a scattered, non-identity vocab
+    return Eagle3Draft.from_target(target, draft_vocab_size=96, d2t=d2t, t2d=t2d, **kw)
+
+
+def _run(fn, draft, batch, target, steps):
+    draft.zero_grad(set_to_none=True)
+    out = fn(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+             target.get_output_embeddings().weight, attention_mask=batch["attention_mask"], ttt_steps=steps,
+             return_logits=True)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_efficient_ttt_matches_naive(tiny_target, padding):
+    batch = _batch(tiny_target, padding)
+    draft = _draft(tiny_target)
+    fast, fast_grads = _run(ttt_forward, draft, batch, tiny_target, steps=4)
+    slow, slow_grads = _run(ttt_forward_naive, draft, batch, tiny_target, steps=4)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast.loss, slow.loss, **tol)
+    torch.testing.assert_close(fast.step_losses, slow.step_losses, **tol)
+    torch.testing.assert_close(fast.step_accuracies, slow.step_accuracies)
+    torch.testing.assert_close(fast.step_counts, slow.step_counts.to(fast.step_counts.dtype))
+    for a, b in zip(fast.logits, slow.logits):
+        torch.testing.assert_close(a, b, **tol)
+    assert fast_grads.keys() == slow_grads.keys() and "fc.weight" in fast_grads
+    for name in fast_grads:
+        torch.testing.assert_close(fast_grads[name], slow_grads[name], **tol, msg=name)
+
+
+def test_every_masked_position_counts(tiny_target):
+    """Step k scores column t on token t+k+2, including targets outside the draft vocab."""
+    batch = _batch(tiny_target, "right")
+    draft = _draft(tiny_target)
+    out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+                      tiny_target.get_output_embeddings().weight, attention_mask=batch["attention_mask"],
+                      ttt_steps=3)
+    expected = [float(batch["loss_mask"][:, k + 2:].sum()) for k in range(3)]
+    assert out.step_counts.tolist() == expected
+    none = ttt_forward(draft, batch["input_ids"], torch.zeros_like(batch["loss_mask"]), batch["aux_hidden"],
+                       batch["last_hidden"], tiny_target.get_output_embeddings().weight, ttt_steps=3)
+    assert float(none.loss.detach()) == 0.0
+
+
+def test_loss_is_weighted_sum_of_step_losses(tiny_target):
+    batch = _batch(tiny_target, "none")
+    out = ttt_forward(_draft(tiny_target), batch["input_ids"], batch["loss_mask"], batch["aux_hidden"],
+                      batch["last_hidden"], tiny_target.get_output_embeddings().weight, ttt_steps=5)
+    weights = torch.tensor([0.8 ** k for k in range(5)])
+    torch.testing.assert_close(out.loss.detach(), (weights * out.step_losses).sum())
+
+
+def test_simulated_accept_length():
+    assert simulated_accept_length([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_accept_length([0.0, 1.0]) == 1.0
+    assert abs(simulated_accept_length([0.5, 0.5]) - 1.75) < 1e-12
+
+
+def test_noise_only_when_asked_and_training(tiny_target):
+    batch = _batch(tiny_target, "none")
+    draft = _draft(tiny_target).train()
+    args = (batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+            tiny_target.get_output_embeddings().weight)
+    base = ttt_forward(draft, *args, ttt_steps=2).loss
+    assert torch.equal(base, ttt_forward(draft, *args, ttt_steps=2, noise=HiddenNoise()).loss)
+    noisy = ttt_forward(draft, *args, ttt_steps=2, noise=HiddenNoise("gaussian", 1.0)).loss
+    assert not torch.equal(base, noisy)
+    draft.eval()
+    assert torch.equal(base, ttt_forward(draft, *args, ttt_steps=2, noise=HiddenNoise("uniform", 1.0)).loss)
+
+
+def test_warmup_cosine_schedule():
+    cfg = TrainConfig(warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
+    lrs = [warmup_cosine(s, cfg) for s in range(21)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and abs(lrs[20] - 0.1) < 1e-12
+
+
+def _excess_step0_loss(draft, batch, head):
+    """Step-0 loss minus the target's entropy on the same positions: the KL the draft can still remove."""
+    with torch.no_grad():
+        out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+                          head, attention_mask=batch["attention_mask"], ttt_steps=1)
+        p, _ = target_distribution(batch["last_hidden"], head, draft.d2t)
+        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)[:, 1:-1]
+        mask = batch["loss_mask"][:, 2:].float()
+    return float(out.step_losses[0]) - float((entropy * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("lm_head_init", ["random", "target"])
+def test_training_loop_fits_a_batch_and_keeps_frozen_weights(tiny_target, lm_head_init):
+    batch = _batch(tiny_target, "right")
+    head = tiny_target.get_output_embeddings().weight * 4  # a peaked target, so there is something to learn
+    draft = _draft(tiny_target, lm_head_init=lm_head_init)
+    frozen = {n: p.detach().clone() for n, p in draft.named_parameters() if not p.requires_grad}
+    expected_frozen = {"embed_tokens.weight"} | ({"lm_head.weight"} if lm_head_init == "target" else set())
+    assert set(frozen) == expected_frozen
+    before = _excess_step0_loss(draft, batch, head)
+    cfg = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=40, ttt_steps=3)
+    history = train_draft_steps(draft, [batch], head, cfg)
+    assert len(history) == 40 and all(h["grad_norm"] >= 0 for h in history)
+    assert _excess_step0_loss(draft, batch, head) < 0.5 * before
+    for name, value in frozen.items():
+        assert torch.equal(dict(draft.named_parameters())[name], value), name
