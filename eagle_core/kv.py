@@ -18,6 +18,9 @@ draft (a single `(k, v)` pair that the caller owns, as the draft contract requir
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 
@@ -135,6 +138,17 @@ class DraftKV:
             self.k, self.v = self.k[rows, :, :width], self.v[rows, :, :width]
 
 
+def _cache_kwarg(decoder) -> str:
+    return _cache_kwarg_of(type(decoder))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(decoder_type) -> str:
+    # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns); accept both.
+    params = inspect.signature(decoder_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    new_mask: torch.Tensor, aux_layer_ids: list[int] | None = None):
     """One target forward of S new tokens on top of the ragged cache (prefill, decode step or tree).
@@ -149,7 +163,7 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
     decoder = target.model
     bias = attention_bias(kv.lengths, kv.width, new_mask, decoder.embed_tokens.weight.dtype)
     with record_hidden_states(target, aux_layer_ids or []) as rec:
-        out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=bias,
-                      past_key_values=kv.cache, use_cache=True)
+        out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=bias, use_cache=True,
+                      **{_cache_kwarg(decoder): kv.cache})
     aux = torch.cat(rec["aux"], dim=-1) if aux_layer_ids else None
     return out.last_hidden_state, aux

@@ -61,6 +61,7 @@ class Tree:
     depth: torch.Tensor  # [B, N] root 0
     ancestors: torch.Tensor  # [B, N, N] bool: ancestors[b, i, j] = j is i or an ancestor of i
     rank: torch.Tensor  # [B, N] 0 for the root, 1.. = place in the draft's score order
+    score: torch.Tensor | None = None  # [B, N] cumulative draft log-prob (root 0)
 
     @property
     def size(self) -> int:
@@ -82,13 +83,14 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, rank: torch.Tensor | None = None) -> Tree:
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, rank: torch.Tensor | None = None,
+                      score: torch.Tensor | None = None) -> Tree:
     """Build a `Tree` from tokens [B, N] and parents [B, N] (parents[:, i] < i for i > 0, parents[:, 0] = 0)."""
     anc = ancestor_matrix(parents)
     depth = anc.sum(-1) - 1
     if rank is None:
         rank = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return Tree(tokens=tokens, parents=parents, depth=depth, ancestors=anc, rank=rank)
+    return Tree(tokens=tokens, parents=parents, depth=depth, ancestors=anc, rank=rank, score=score)
 
 
 def _topk_logprobs(draft, out_hidden: torch.Tensor, k: int):
@@ -180,4 +182,5 @@ def _rerank(root, scores, tokens, parents, size: int) -> Tree:
         tokens=torch.cat([root[:, None], tokens.gather(1, kept)], dim=1),
         parents=torch.cat([zeros, node_parents], dim=1),
         rank=torch.cat([zeros, rank.gather(1, kept)], dim=1),
+        score=torch.cat([torch.zeros_like(scores[:, :1]), scores.gather(1, kept)], dim=1),
     )

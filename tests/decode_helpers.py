@@ -1,0 +1,56 @@
+"""Drafts for the decoding tests (imported by test_tree/test_verify/test_generate/test_sampling)."""
+
+import torch
+
+from eagle_core.draft import DraftConfig, Eagle3Draft
+from eagle_core.target import make_tiny_llama
+
+
+def random_draft(target, draft_vocab_size: int, seed: int = 0) -> Eagle3Draft:
+    """A random-weight draft (its proposals are noise: acceptance is mostly 0)."""
+    config = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(config, target_embed_weight=target.get_input_embeddings().weight)
+    # Random trees need spread-out scores, not a near-uniform draft: scale the lm_head up.
+    with torch.no_grad():
+        draft.get_parameter("lm_head.weight").mul_(50.0)
+    return draft.to(target.dtype).eval()
+
+
+def echo_draft(target) -> Eagle3Draft:
+    """A hand-set draft that proposes "the root token again" with the target's own output embedding.
+
+    fc passes the target's first aux layer through, the midlayer adds nothing (o_proj, down_proj = 0) and
+    lm_head is the target's embedding: the draft predicts the token whose embedding best matches the
+    current one. Tiny random Llamas repeat themselves often, so this draft gets long accepted paths
+    (tau well above 1), which the lossless tests need to exercise multi-token acceptance.
+    """
+    h = target.config.hidden_size
+    config = DraftConfig.from_target(target.config, draft_vocab_size=target.config.vocab_size)
+    emb = target.get_input_embeddings().weight
+    draft = Eagle3Draft(config, target_embed_weight=emb).to(target.dtype)
+    with torch.no_grad():
+        fc = draft.get_parameter("fc.weight")
+        fc.zero_()
+        fc[:, h: 2 * h] = torch.eye(h, dtype=fc.dtype)
+        draft.get_parameter("midlayer.self_attn.o_proj.weight").zero_()
+        draft.get_parameter("midlayer.mlp.down_proj.weight").zero_()
+        draft.get_parameter("lm_head.weight").copy_(target.get_output_embeddings().weight)
+    return draft.eval()
+
+
+def damped_tiny_llama(eps: float, **kw):
+    """A tiny Llama whose blocks are scaled by eps: it mostly repeats its input (eps=0: always)."""
+    target = make_tiny_llama(**kw)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(eps)
+            layer.mlp.down_proj.weight.mul_(eps)
+    return target
+
+
+def random_prompts(n: int, vocab: int, lo: int = 3, hi: int = 20, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]

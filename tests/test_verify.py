@@ -1,0 +1,104 @@
+"""Tree verification: tree attention equals plain decoding of each path; greedy acceptance; KV keeps the path."""
+
+import pytest
+import torch
+
+from decode_helpers import random_prompts
+from eagle_core.generate import generate, prefill
+from eagle_core.kv import TargetKV
+from eagle_core.target import make_tiny_llama
+from eagle_core.tree import tree_from_parents
+from eagle_core.verify import (SamplingConfig, accept_greedy, accept_sampling, target_probs, verify_tree)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(dtype=torch.float64)
+
+
+def random_tree(batch: int, n: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.zeros(batch, n, dtype=torch.long)
+    for i in range(1, n):
+        parents[:, i] = torch.randint(0, i, (batch,), generator=g)
+    tokens = torch.randint(3, vocab, (batch, n), generator=g)
+    return parents, tokens
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@torch.inference_mode()
+def test_tree_logits_equal_plain_forward_of_each_path(target):
+    """Ancestor-only mask + depth positions on a ragged batch cache == each path decoded on its own."""
+    prompts = random_prompts(3, 512, seed=2)
+    kv = TargetKV(3, "cpu")
+    prefill(target, kv, prompts, None)
+    parents, tokens = random_tree(3, 12, 512, seed=3)
+    tree = tree_from_parents(tokens, parents)
+    logits, _ = verify_tree(target, kv, tree, None)
+    for b in range(3):
+        for node in range(12):
+            seq = prompts[b] + tokens[b, path_to(parents[b].tolist(), node)].tolist()
+            ref = target(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits[b, node], ref, rtol=0, atol=1e-9)
+
+
+@torch.inference_mode()
+def test_greedy_accepts_the_target_path_and_cache_keeps_exactly_it(target):
+    """Plant the greedy continuation in a random tree: it is accepted to its planted depth, the bonus is
+    the next greedy token, and the cache afterwards equals a plain prefill of prompt + accepted path."""
+    prompts = random_prompts(3, 512, seed=4)
+    greedy = generate(target, prompts, max_new_tokens=8).tokens  # greedy[b][0] is the root
+    plant = [4, 0, 2]  # accepted draft tokens per row
+    parents, tokens = random_tree(3, 10, 512, seed=5)
+    for b in range(3):
+        # nodes 1..plant[b] form a chain of greedy tokens under the root; the rest stays random
+        tokens[b, 0] = greedy[b][0]
+        for d in range(1, plant[b] + 1):
+            parents[b, d] = d - 1
+            tokens[b, d] = greedy[b][d]
+        for s in range(1, 10):
+            # no other node may agree with the target where the planted chain ends or branches
+            node = parents[b, s].item()
+            on_chain = s <= plant[b]
+            if not on_chain and node <= plant[b] and tokens[b, s] == greedy[b][node + 1]:
+                tokens[b, s] = (tokens[b, s] + 1) % 512
+    tree = tree_from_parents(tokens, parents)
+    kv = TargetKV(3, "cpu")
+    prefill(target, kv, prompts, None)
+    past_width = kv.width
+    logits, _ = verify_tree(target, kv, tree, None)
+    acc = accept_greedy(tree, logits)
+    assert acc.accept_length.tolist() == plant
+    for b in range(3):
+        assert acc.bonus[b].item() == greedy[b][plant[b] + 1]
+    kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
+    for b in range(3):
+        seq = prompts[b] + greedy[b][: plant[b] + 1]
+        assert kv.lengths[b].item() == len(seq)
+        ref = TargetKV(1, "cpu")
+        prefill(target, ref, [seq], None)
+        for layer, ref_layer in zip(kv.cache.layers, ref.cache.layers):
+            torch.testing.assert_close(layer.keys[b, :, : len(seq)], ref_layer.keys[0], rtol=0, atol=1e-9)
+            torch.testing.assert_close(layer.values[b, :, : len(seq)], ref_layer.values[0], rtol=0, atol=1e-9)
+
+
+def test_sampling_acceptance_emits_the_target_distribution():
+    """Unit check of the sibling rule on a fixed 2-level tree: the first emitted token ~ p at the root."""
+    vocab, rows = 6, 6000
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, vocab).expand(rows, 4, vocab).clone()
+    # root with children tokens 2, 0 (node 1, 2) and a grandchild under node 1
+    tree = tree_from_parents(torch.tensor([[5, 2, 0, 1]]).expand(rows, 4), torch.tensor([[0, 0, 0, 1]]).expand(rows, 4))
+    sampling = SamplingConfig(temperature=1.0)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    acc = accept_sampling(tree, logits, sampling, gens)
+    first = torch.where(acc.accept_length > 0, tree.tokens.gather(1, acc.path[:, 1:2])[:, 0], acc.bonus)
+    freq = torch.bincount(first, minlength=vocab).double() / rows
+    p = target_probs(logits[0, 0], sampling).double()
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / rows).sqrt().max() + 1e-3
