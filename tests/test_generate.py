@@ -1,0 +1,88 @@
+"""The generator: plain loop == transformers greedy; speculative greedy == plain greedy for any draft;
+batch > 1 == one by one; stopping rules; stats definitions."""
+
+import pytest
+import torch
+
+from decode_helpers import damped_tiny_llama, echo_draft, random_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
+from eagle_core.generate import generate
+from eagle_core.target import make_tiny_llama
+from eagle_core.tree import TreeConfig
+
+CONFIGS = [TreeConfig(4, 4, 16), TreeConfig(8, 6, 60), TreeConfig.chain(4), TreeConfig(2, 3, 5)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def damped():
+    return damped_tiny_llama(0.8, dtype=torch.float64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(10, 512, seed=7)
+
+
+def test_plain_loop_equals_transformers_greedy(target, prompts):
+    ours = generate(target, prompts, max_new_tokens=16).tokens
+    for p, got in zip(prompts, ours):
+        ref = target.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert got == ref[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("which", ["random", "echo"])
+def test_speculative_greedy_is_lossless(target, damped, prompts, config, which):
+    """Exact token equality with plain greedy decoding, for a useless and for a good draft."""
+    model = target if which == "random" else damped
+    draft = random_draft(model, 300) if which == "random" else echo_draft(model)
+    plain = generate(model, prompts, max_new_tokens=24).tokens
+    spec = generate(model, prompts, draft=draft, tree=config, max_new_tokens=24)
+    assert spec.tokens == plain
+    if which == "echo":  # the test must exercise multi-token acceptance to mean anything
+        assert max(s.tau for s in spec.stats) > 1.5
+
+
+@pytest.mark.parametrize("config", [TreeConfig(4, 4, 16), TreeConfig.chain(3)], ids=str)
+def test_batch_equals_one_by_one(damped, prompts, config):
+    draft = echo_draft(damped)
+    batch = generate(damped, prompts, draft=draft, tree=config, max_new_tokens=20)
+    for p, got, stats in zip(prompts, batch.tokens, batch.stats):
+        alone = generate(damped, [p], draft=draft, tree=config, max_new_tokens=20)
+        assert alone.tokens[0] == got
+        assert alone.stats[0].accept_lengths == stats.accept_lengths  # rows advance independently
+    # ...and different rows did accept different numbers of tokens in the same round
+    assert len({tuple(s.accept_lengths) for s in batch.stats}) > 1
+
+
+def test_stopping_rules(damped, prompts):
+    draft = echo_draft(damped)
+    plain = generate(damped, prompts, max_new_tokens=24).tokens
+    # eos: pick, per prompt, a token that appears mid-way in its greedy output; all rows share the set
+    eos = {row[10] for row in plain}
+    spec = generate(damped, prompts, draft=draft, tree=TreeConfig(4, 5, 20), max_new_tokens=24,
+                    eos_token_id=list(eos))
+    for row, got, stats in zip(plain, spec.tokens, spec.stats):
+        cut = next(i for i, t in enumerate(row) if t in eos)
+        assert got == row[: cut + 1] and stats.finish_reason == "eos"
+    # max_new_tokens is exact even when a round accepts more than what is left
+    for n in (1, 2, 5):
+        spec = generate(damped, prompts, draft=draft, tree=TreeConfig(4, 5, 20), max_new_tokens=n)
+        assert spec.tokens == [row[:n] for row in plain]
+
+
+def test_stats_definitions(damped, prompts):
+    config = TreeConfig(4, 5, 20)
+    res = generate(damped, prompts, draft=echo_draft(damped), tree=config, max_new_tokens=24)
+    for s, toks in zip(res.stats, res.tokens):
+        assert s.rounds == len(s.accept_lengths) > 0
+        assert all(0 <= a <= config.depth for a in s.accept_lengths)
+        assert s.tau == pytest.approx(1 + sum(s.accept_lengths) / s.rounds)
+        # the root from the prefill, then accept_length + 1 per round (the last round may be cut)
+        assert s.new_tokens == len(toks) <= 1 + sum(a + 1 for a in s.accept_lengths)
+        assert s.new_tokens > 1 + sum(a + 1 for a in s.accept_lengths[:-1])
+        assert s.draft_s > 0 and s.verify_s > 0
