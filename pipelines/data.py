@@ -302,6 +302,7 @@ def _to_output_row(row):
 def ingest(url: str | None = None, limit: int | None = None) -> Ingested:
     """Read, normalise, quarantine and deduplicate a corpus into Ray Datasets (materialised)."""
     import ray
+    from ray.data.expressions import col
 
     # Later stages name their shards after row order: keep it stable through every map.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -318,8 +319,8 @@ def ingest(url: str | None = None, limit: int | None = None) -> Ingested:
     if limit is not None and len(files) > 1:
         parsed = parsed.sort(["file_index", "row_index"]).limit(limit).materialize()
 
-    kept = parsed.filter(expr="status == 'kept'")
-    quarantine = parsed.filter(expr="status == 'quarantined'").select_columns(
+    kept = parsed.filter(expr=col("status") == "kept")
+    quarantine = parsed.filter(expr=col("status") == "quarantined").select_columns(
         ["id", "file_index", "row_index", "reason", "raw"]).materialize()
     unique = (
         kept.groupby("content_hash").map_groups(_first_of_each_group, batch_format="numpy")
@@ -329,7 +330,7 @@ def ingest(url: str | None = None, limit: int | None = None) -> Ingested:
     )
     stats = IngestStats(files=len(files), read=parsed.count(), quarantined=quarantine.count(), kept=unique.count())
     stats.deduped = int(unique.sum("duplicates") or 0) if stats.kept else 0
-    stats.trimmed_rows = int(unique.filter(expr="trimmed_turns > 0").count()) if stats.kept else 0
+    stats.trimmed_rows = int(unique.filter(expr=col("trimmed_turns") > 0).count()) if stats.kept else 0
     if stats.quarantined:
         stats.quarantined_by_reason = {
             r["reason"]: int(r["count()"]) for r in quarantine.groupby("reason").count().take_all()}

@@ -41,3 +41,18 @@ def ray_cluster(tmp_path_factory):
              _temp_dir=str(tmp_path_factory.mktemp("ray")), runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
+    """An HF folder holding a tiny random Llama with SmolLM2's tokenizer: a real `--target` for job tests."""
+    folder = tmp_path_factory.mktemp("tiny-target")
+    # Untied embeddings: a tied random model just repeats its last token ("\n"), i.e. empty replies.
+    model = make_tiny_llama(vocab_size=len(smollm2_tokenizer), num_hidden_layers=4, seed=3, tie_word_embeddings=False)
+    model.config.bos_token_id = smollm2_tokenizer.bos_token_id
+    model.config.eos_token_id = smollm2_tokenizer.eos_token_id
+    model.config.pad_token_id = smollm2_tokenizer.pad_token_id
+    model.generation_config.eos_token_id = smollm2_tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,80 @@
+"""Extract EAGLE-3 training features: corpus -> regenerate -> chat template + loss mask -> target -> Parquet.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/extract.py --limit 1000
+    python jobs/extract.py --corpus s3://bucket/chats/ --output s3://bucket/features/run1 --num-workers 8
+
+Connects to the cluster `ray job submit` gives it, else starts an embedded local one. Rerunning with the
+same arguments resumes: committed shards are skipped, regenerated conversations are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipelines.extract import ExtractConfig, run_extract  # noqa: E402
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if len(ids) != 3:
+        raise argparse.ArgumentTypeError("EAGLE-3 uses exactly three aux layers")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ExtractConfig()
+    p = argparse.ArgumentParser(prog="extract.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--corpus", default=d.corpus, help="corpus URL (file, folder or glob; any fsspec protocol); "
+                   "'sharegpt' = the embedded ShareGPT file")
+    p.add_argument("--output", default=d.output, help="output URL for shards, regenerated conversations, manifest")
+    p.add_argument("--target", default=d.target, help="target model: HF folder, .gguf file or 'smollm2-135m'")
+    p.add_argument("--limit", type=int, default=d.limit, help="read at most this many corpus rows")
+    p.add_argument("--max-length", type=int, default=d.max_length, help="truncate conversations to this many tokens")
+    p.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=d.regenerate,
+                   help="rewrite assistant turns with the target before extracting")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="regeneration: tokens per reply")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="regeneration temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, default=d.seed, help="regeneration seed")
+    p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=d.aux_layer_ids,
+                   help="three output_hidden_states indices, e.g. 2,15,27 (default: [2, N//2, N-3])")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target compute dtype (auto: bf16 on GPU, fp32 on CPU); features are stored in it")
+    p.add_argument("--num-workers", type=int, default=d.num_workers, help="actors per stage (one target each)")
+    p.add_argument("--gpus-per-worker", type=float, default=d.gpus_per_worker,
+                   help="GPUs per actor (default: 1 when the cluster has GPUs, else 0)")
+    p.add_argument("--cpus-per-worker", type=float, default=d.cpus_per_worker, help="CPUs per actor")
+    p.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
+                   help="padded tokens per target forward (rows are batched by similar length)")
+    p.add_argument("--rows-per-shard", type=int, default=d.rows_per_shard, help="conversations per output shard")
+    p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size, help="conversations per generate call")
+    p.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment ('' = no tracking)")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    address = args.pop("address")
+    args["mlflow_experiment"] = args["mlflow_experiment"] or None
+    from pipelines.cluster import connect
+
+    connect(address)
+    manifest = run_extract(ExtractConfig(**args))
+    keys = ["rows", "tokens", "loss_tokens", "bytes_per_token", "min_bytes_per_token", "quarantined_by_reason",
+            "seconds", "mlflow_run_id"]
+    print(json.dumps({k: manifest.get(k) for k in keys}, indent=1))
+    print(f"[extract] features and manifest in {args['output']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""Ray Data extraction: corpus -> (regenerate) -> chat template + loss mask -> target forward -> Parquet shards.
+
+Layout of an output folder (any fsspec URL):
+    features/shard-00000-<hash>.parquet   feature rows (schema below), one file per shard, committed by rename
+    regenerated/shard-00000-<hash>.jsonl  regenerated conversations (reused on reruns: no second generation)
+    quarantine/ingest.jsonl               corpus rows quarantined at ingest, with the reason
+    manifest.json                         what the shards hold and how they were made
+
+Feature schema (Parquet, zstd), one row per conversation:
+    id           string
+    input_ids    list<int32>    [S] chat-template tokens
+    loss_mask    list<int8>     [S] 1 on assistant content + end-of-turn tokens
+    aux_hidden   large_binary   [S, 3H] row-major, the aux layers concatenated, in `manifest.dtype`
+    last_hidden  large_binary   [S, H]  after the final norm, in `manifest.dtype`
+Hidden states are raw little-endian bytes of the dtype the target computed in (bf16 on GPU keeps its exact
+bits; Arrow has no bf16 type); `decode_hidden` turns them back into tensors.
+
+Exactly-once: shard k holds rows [k*R, (k+1)*R) of the ingested corpus in input order and its name carries a
+hash of its ids, so a rerun maps the same rows to the same names and skips every shard already committed.
+Each shard's summary (rows, tokens, loss-token counts, quarantines) lives in its Parquet metadata, so a
+committed shard is complete by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+SCHEMA_VERSION = 1
+SHARD_META_KEY = b"eagle3.shard"
+FEATURE_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("aux_hidden", pa.large_binary()),
+    ("last_hidden", pa.large_binary()),
+])
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
+
+
+@dataclass
+class ExtractConfig:
+    corpus: str = "sharegpt"
+    output: str = "work/features"
+    target: str = "smollm2-135m"
+    limit: int | None = None
+    max_length: int = 2048
+    regenerate: bool = True
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    seed: int = 0
+    aux_layer_ids: list[int] | None = None
+    dtype: str = "auto"
+    num_workers: int = 1
+    gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    cpus_per_worker: float = 1.0
+    tokens_per_batch: int = 8192
+    rows_per_shard: int = 64
+    regen_batch_size: int = 16
+    mlflow_experiment: str | None = "eagle3-extract"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding
+# --------------------------------------------------------------------------------------------------
+
+def encode_hidden(t: torch.Tensor) -> bytes:
+    t = t.contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def decode_hidden(blob: bytes, dtype: str, width: int) -> torch.Tensor:
+    """Raw bytes of one row's hidden states -> [S, width] tensor of `dtype` (the manifest's)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.frombuffer(blob, dtype=np.int16).copy()).view(torch.bfloat16).reshape(-1, width)
+    return torch.from_numpy(np.frombuffer(blob, dtype=np.dtype(dtype)).copy()).reshape(-1, width)
+
+
+def feature_table(rows) -> pa.Table:
+    return pa.table({
+        "id": [r.id for r in rows],
+        "input_ids": [r.input_ids.to(torch.int32).numpy() for r in rows],
+        "loss_mask": [r.loss_mask.to(torch.int8).numpy() for r in rows],
+        "aux_hidden": [encode_hidden(r.aux_hidden) for r in rows],
+        "last_hidden": [encode_hidden(r.last_hidden) for r in rows],
+    }, schema=FEATURE_SCHEMA)
+
+
+# --------------------------------------------------------------------------------------------------
+# Files: atomic commit and shard discovery
+# --------------------------------------------------------------------------------------------------
+
+def _fs(url: str):
+    return fsspec.core.url_to_fs(url)
+
+
+def _join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+def commit_bytes(url: str, data: bytes) -> None:
+    """Write then rename, so a reader (or a rerun) never sees half a file."""
+    fs, path = _fs(url)
+    fs.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def exists(url: str) -> bool:
+    fs, path = _fs(url)
+    return fs.exists(path)
+
+
+def shard_name(index: int, ids: list[str]) -> str:
+    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:10]
+    return f"shard-{index:05d}-{digest}"
+
+
+def plan_shards(rows: list[dict], rows_per_shard: int) -> list[dict]:
+    return [
+        {"shard": shard_name(k // rows_per_shard, [r["id"] for r in rows[k:k + rows_per_shard]]),
+         "rows_json": json.dumps(rows[k:k + rows_per_shard], ensure_ascii=False)}
+        for k in range(0, len(rows), rows_per_shard)
+    ]
+
+
+def read_shard_summary(url: str) -> dict:
+    fs, path = _fs(url)
+    with fs.open(path, "rb") as f:
+        meta = pq.read_metadata(f).metadata or {}
+    return json.loads(meta[SHARD_META_KEY])
+
+
+def committed_shards(output: str) -> set[str]:
+    fs, path = _fs(_join(output, "features"))
+    if not fs.exists(path):
+        return set()
+    return {os.path.basename(p)[: -len(".parquet")] for p in fs.ls(path, detail=False) if p.endswith(".parquet")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray actors: one target per actor
+# --------------------------------------------------------------------------------------------------
+
+class _TargetActor:
+    def __init__(self, target: str, dtype: str, aux_layer_ids):
+        from eagle_core.target import default_aux_layer_ids, default_device, load_target
+
+        self.model, self.tokenizer = load_target(target, device=default_device(), dtype=dtype)
+        self.aux_layer_ids = aux_layer_ids or default_aux_layer_ids(self.model.config.num_hidden_layers)
+
+
+class Regenerator(_TargetActor):
+    """Shard -> shard with every assistant turn rewritten by the target (cached under regenerated/)."""
+
+    def __init__(self, config: dict):
+        self.config = ExtractConfig(**config)
+        super().__init__(self.config.target, self.config.dtype, self.config.aux_layer_ids)
+
+    def __call__(self, batch: dict) -> dict:
+        from eagle_core.features import regenerate_conversations
+
+        c = self.config
+        out_rows, out_quarantine = [], []
+        for shard, rows_json in zip(batch["shard"], batch["rows_json"]):
+            cache = _join(c.output, "regenerated", f"{shard}.jsonl")
+            if exists(cache):
+                with fsspec.open(cache, "rt", encoding="utf-8") as f:
+                    saved = [json.loads(line) for line in f]
+                rows = [r for r in saved if "messages" in r]
+                quarantined = {r["id"]: r["reason"] for r in saved if "reason" in r}
+            else:
+                seed = c.seed + int(shard.split("-")[1])
+                rows, quarantined = regenerate_conversations(
+                    self.model, self.tokenizer, json.loads(rows_json), max_new_tokens=c.max_new_tokens,
+                    temperature=c.temperature, seed=seed, max_length=c.max_length, batch_size=c.regen_batch_size)
+                lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+                lines += [json.dumps({"id": i, "reason": why}) for i, why in quarantined.items()]
+                commit_bytes(cache, ("\n".join(lines) + "\n").encode())
+            out_rows.append(json.dumps(rows, ensure_ascii=False))
+            out_quarantine.append(json.dumps(quarantined))
+        return {"shard": batch["shard"], "rows_json": np.array(out_rows, dtype=object),
+                "quarantine_json": np.array(out_quarantine, dtype=object)}
+
+
+class Extractor(_TargetActor):
+    """Shard of conversations -> committed Parquet shard (returns its summary), or feature rows (streaming)."""
+
+    def __init__(self, config: dict, write: bool = True):
+        self.config = ExtractConfig(**config)
+        self.write = write
+        super().__init__(self.config.target, self.config.dtype, self.config.aux_layer_ids)
+
+    def _features(self, rows_json: str):
+        from eagle_core.features import featurize, tokenize_for_training
+
+        c = self.config
+        tokenized, quarantined = tokenize_for_training(self.tokenizer, json.loads(rows_json), c.max_length)
+        return featurize(self.model, tokenized, self.aux_layer_ids, c.tokens_per_batch), quarantined
+
+    def __call__(self, batch: dict) -> dict:
+        if not self.write:
+            rows = [r for rows_json in batch["rows_json"] for r in self._features(rows_json)[0]]
+            return feature_table(rows).to_pydict() if rows else {name: [] for name in FEATURE_SCHEMA.names}
+        summaries = []
+        upstream = batch.get("quarantine_json", [None] * len(batch["shard"]))
+        for shard, rows_json, regen_quarantine in zip(batch["shard"], batch["rows_json"], upstream):
+            start = time.perf_counter()
+            features, quarantined = self._features(rows_json)
+            quarantined.update(json.loads(regen_quarantine) if regen_quarantine else {})
+            summary = self._summary(shard, features, quarantined, time.perf_counter() - start)
+            table = feature_table(features)
+            table = table.replace_schema_metadata({SHARD_META_KEY: json.dumps(summary).encode()})
+            sink = io.BytesIO()
+            pq.write_table(table, sink, compression="zstd")
+            commit_bytes(_join(self.config.output, "features", f"{shard}.parquet"), sink.getvalue())
+            summaries.append(json.dumps({**summary, "bytes": sink.tell()}))
+        return {"summary_json": np.array(summaries, dtype=object)}
+
+    def _summary(self, shard: str, features, quarantined: dict, seconds: float) -> dict:
+        counts = Counter()
+        for f in features:
+            counts.update(f.input_ids[f.loss_mask.bool()].tolist())
+        dtype = features[0].aux_hidden.dtype if features else next(self.model.parameters()).dtype
+        return {
+            "shard": shard, "rows": len(features), "tokens": sum(len(f.input_ids) for f in features),
+            "loss_tokens": sum(int(f.loss_mask.sum()) for f in features), "seconds": seconds,
+            "quarantined": dict(Counter(quarantined.values())), "quarantined_ids": quarantined,
+            "token_counts": {str(k): v for k, v in sorted(counts.items())}, "dtype": DTYPE_NAMES[dtype],
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# The job
+# --------------------------------------------------------------------------------------------------
+
+def _actor_resources(config: ExtractConfig) -> dict:
+    import ray
+
+    gpus = config.gpus_per_worker
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    return {"num_gpus": gpus, "num_cpus": config.cpus_per_worker}
+
+
+def _stages(ds, config: ExtractConfig, write: bool):
+    from ray.data import ActorPoolStrategy
+
+    resources = _actor_resources(config)
+    if config.regenerate:
+        ds = ds.map_batches(Regenerator, fn_constructor_kwargs={"config": config.to_dict()}, batch_size=1,
+                            compute=ActorPoolStrategy(size=config.num_workers), **resources)
+    return ds.map_batches(Extractor, fn_constructor_kwargs={"config": config.to_dict(), "write": write},
+                          batch_size=1, compute=ActorPoolStrategy(size=config.num_workers), **resources)
+
+
+def _ingest_rows(config: ExtractConfig):
+    from pipelines.data import ingest
+
+    ingested = ingest(config.corpus, limit=config.limit)
+    return ingested, ingested.dataset.take_all()
+
+
+def stream_features(config: ExtractConfig):
+    """The same stages as `run_extract`, returning the feature Dataset (rows of FEATURE_SCHEMA) unwritten."""
+    import ray
+
+    _, rows = _ingest_rows(config)
+    shards = plan_shards(rows, config.rows_per_shard)
+    ds = ray.data.from_items(shards, override_num_blocks=max(1, len(shards)))
+    return _stages(ds, config, write=False)
+
+
+def run_extract(config: ExtractConfig) -> dict:
+    """Run (or resume) an extraction; returns the manifest (also written to `<output>/manifest.json`)."""
+    import ray
+
+    from eagle_core.target import default_aux_layer_ids, materialize_hf_folder, weights_fingerprint
+
+    started = time.perf_counter()
+    ingested, rows = _ingest_rows(config)
+    print(f"[extract] {ingested.stats.summary()}", flush=True)
+    if ingested.stats.quarantined:
+        quarantine_lines = [json.dumps(q, ensure_ascii=False) for q in ingested.quarantine.take_all()]
+        commit_bytes(_join(config.output, "quarantine", "ingest.jsonl"), ("\n".join(quarantine_lines) + "\n").encode())
+    shards = plan_shards(rows, config.rows_per_shard)
+    done = committed_shards(config.output)
+    todo = [s for s in shards if s["shard"] not in done]
+    print(f"[extract] {len(shards)} shards of <= {config.rows_per_shard} rows: {len(shards) - len(todo)} already "
+          f"committed, {len(todo)} to do", flush=True)
+    if todo:
+        ds = ray.data.from_items(todo, override_num_blocks=len(todo))
+        for _ in _stages(ds, config, write=True).iter_rows():
+            pass  # each shard is committed by its actor; progress shows in Ray Data's bars
+
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(materialize_hf_folder(config.target))
+    aux_layer_ids = config.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers)
+    manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
+                              ingested.stats.to_dict(), weights_fingerprint(config.target))
+    manifest["seconds"] = time.perf_counter() - started
+    if config.mlflow_experiment:
+        manifest["mlflow_run_id"] = _log_to_mlflow(config, manifest)
+    commit_bytes(_join(config.output, "manifest.json"), json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def build_manifest(config: ExtractConfig, shard_names: list[str], target_config, aux_layer_ids, ingest_stats: dict,
+                   weights_hash: str) -> dict:
+    summaries = [read_shard_summary(_join(config.output, "features", f"{s}.parquet")) for s in shard_names]
+    fs, _ = _fs(config.output)
+    sizes = [fs.size(_fs(_join(config.output, "features", f"{s}.parquet"))[1]) for s in shard_names]
+    token_counts, quarantined = Counter(), Counter()
+    for s in summaries:
+        token_counts.update({int(k): v for k, v in s["token_counts"].items()})
+        quarantined.update(s["quarantined"])
+    tokens = sum(s["tokens"] for s in summaries)
+    dtype = summaries[0]["dtype"] if summaries else "float32"
+    hidden = target_config.hidden_size
+    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "target": config.target, "target_weights_hash": weights_hash,
+        "target_hidden_size": hidden, "target_vocab_size": target_config.vocab_size,
+        "target_num_hidden_layers": target_config.num_hidden_layers,
+        "aux_layer_ids": aux_layer_ids, "dtype": dtype, "max_length": config.max_length,
+        "regenerate": config.regenerate, "regeneration": {"max_new_tokens": config.max_new_tokens,
+                                                          "temperature": config.temperature, "seed": config.seed},
+        "corpus": config.corpus, "limit": config.limit,
+        "rows": sum(s["rows"] for s in summaries), "tokens": tokens,
+        "loss_tokens": sum(s["loss_tokens"] for s in summaries),
+        "ingest": ingest_stats, "quarantined_by_reason": dict(quarantined),
+        "bytes": sum(sizes), "bytes_per_token": sum(sizes) / max(tokens, 1),
+        "min_bytes_per_token": 4 * hidden * element,
+        "shards": [{"name": s, "rows": m["rows"], "tokens": m["tokens"]} for s, m in zip(shard_names, summaries)],
+        "token_counts": {str(k): v for k, v in sorted(token_counts.items())},
+        "feature_schema": {f.name: str(f.type) for f in FEATURE_SCHEMA},
+        "config": config.to_dict(),
+    }
+
+
+def _log_to_mlflow(config: ExtractConfig, manifest: dict) -> str:
+    from pipelines import tracking
+
+    with tracking.start_run(config.mlflow_experiment, run_name=f"extract-{os.path.basename(config.output.rstrip('/'))}") as run:
+        mlflow = tracking.configure()
+        mlflow.log_params({k: v for k, v in config.to_dict().items() if v is not None})
+        mlflow.log_params({"target_weights_hash": manifest["target_weights_hash"], "output": config.output})
+        seconds = max(manifest["seconds"], 1e-9)
+        mlflow.log_metrics({
+            "rows": manifest["rows"], "tokens": manifest["tokens"], "loss_tokens": manifest["loss_tokens"],
+            "tokens_per_second": manifest["tokens"] / seconds, "bytes_per_token": manifest["bytes_per_token"],
+            "quarantined": sum(manifest["quarantined_by_reason"].values()) + manifest["ingest"]["quarantined"],
+        })
+        mlflow.log_dict({k: v for k, v in manifest.items() if k != "token_counts"}, "manifest.json")
+        return run.info.run_id
+
+
+def load_manifest(output: str) -> dict:
+    with fsspec.open(_join(output, "manifest.json"), "rt") as f:
+        return json.load(f)
+
+
+def read_features(output: str):
+    """The committed feature shards as a Ray Dataset (rows of FEATURE_SCHEMA)."""
+    import ray
+
+    return ray.data.read_parquet(_join(output, "features"), file_extensions=["parquet"])

@@ -1,0 +1,54 @@
+"""MLflow helpers: one place that decides where runs go.
+
+Default store: SQLite inside the project's work folder (`$EAGLE3_WORK`, default `./work`), artifacts
+beside it; any `MLFLOW_TRACKING_URI` (an `mlflow server`) is honoured instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def work_dir() -> Path:
+    path = Path(os.environ.get("EAGLE3_WORK", "work")).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work_dir() / 'mlflow.db'}"
+
+
+def configure():
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    return mlflow
+
+
+def ensure_experiment(name: str) -> str:
+    mlflow = configure()
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    artifact_location = None
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        artifact_location = (work_dir() / "mlartifacts" / name).as_uri()
+    try:
+        return mlflow.create_experiment(name, artifact_location=artifact_location)
+    except Exception:  # created concurrently by another process
+        return mlflow.get_experiment_by_name(name).experiment_id
+
+
+@contextlib.contextmanager
+def start_run(experiment: str, run_name: str | None = None, run_id: str | None = None, nested: bool = False,
+              tags: dict | None = None):
+    """`mlflow.start_run` in our experiment; resumes `run_id` when given."""
+    mlflow = configure()
+    experiment_id = ensure_experiment(experiment)
+    with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name,
+                          nested=nested, tags=tags) as run:
+        yield run

@@ -1,0 +1,154 @@
+"""Ray Data extraction on a local cluster: exact features, correct masks, complete manifest, exactly-once resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_core.chat import tokenize_conversation
+from eagle_core.target import capture_features, load_target
+from pipelines.extract import (
+    ExtractConfig,
+    committed_shards,
+    decode_hidden,
+    load_manifest,
+    read_features,
+    run_extract,
+    stream_features,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_corpus(path: Path, n: int = 7) -> Path:
+    rows = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
+                 {"from": "gpt", "value": f"It is {2 * i}."}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": "And times two?"}, {"from": "gpt", "value": f"{4 * i}."}]
+        rows.append(json.dumps({"id": f"conv{i}", "conversations": turns}))
+    rows.append('{"id": "broken", "conversations": [')  # quarantined at ingest
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def base_config(tmp_path, target, **overrides) -> ExtractConfig:
+    cfg = dict(corpus=str(write_corpus(tmp_path / "corpus.jsonl")), output=str(tmp_path / "out"), target=str(target),
+               max_new_tokens=6, rows_per_shard=2, cpus_per_worker=0.5, mlflow_experiment=None, max_length=96)
+    cfg.update(overrides)
+    return ExtractConfig(**cfg)
+
+
+def read_rows(output):
+    return sorted(read_features(output).take_all(), key=lambda r: r["id"])
+
+
+def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_path, tiny_target_dir):
+    # One row per target forward: the stored features must equal an unpadded forward bit for bit.
+    config = base_config(tmp_path, tiny_target_dir, tokens_per_batch=1)
+    manifest = run_extract(config)
+    rows = read_rows(config.output)
+    model, tokenizer = load_target(str(tiny_target_dir), device="cpu", dtype="float32")
+    regenerated = {}
+    for f in sorted((tmp_path / "out" / "regenerated").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            regenerated[r["id"]] = r
+
+    assert manifest["rows"] == len(rows) > 0
+    assert manifest["ingest"]["quarantined"] == 1 and manifest["ingest"]["kept"] == 7
+    assert len(rows) + len(manifest["quarantined_by_reason"] and sum(manifest["quarantined_by_reason"].values()) or []) <= 7
+    hidden = manifest["target_hidden_size"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # Ray actors with num_cpus < 2 compute single-threaded
+    try:
+        for row in rows:
+            ids = torch.tensor(row["input_ids"], dtype=torch.long)
+            direct = capture_features(model, ids[None], None, manifest["aux_layer_ids"])
+            aux = decode_hidden(row["aux_hidden"], manifest["dtype"], 3 * hidden)
+            last = decode_hidden(row["last_hidden"], manifest["dtype"], hidden)
+            assert torch.equal(aux, direct.aux_hidden[0]) and torch.equal(last, direct.last_hidden[0])
+            expected = tokenize_conversation(tokenizer, regenerated[row["id"]]["messages"], max_length=config.max_length)
+            assert list(row["input_ids"]) == expected.input_ids
+            assert list(row["loss_mask"]) == expected.loss_mask
+    finally:
+        torch.set_num_threads(threads)
+
+    for key in ["schema_version", "target", "target_weights_hash", "aux_layer_ids", "target_hidden_size", "dtype",
+                "max_length", "rows", "tokens", "loss_tokens", "bytes_per_token", "min_bytes_per_token",
+                "token_counts", "quarantined_by_reason", "ingest", "shards"]:
+        assert key in manifest, key
+    assert manifest["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert manifest["loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+    assert sum(manifest["token_counts"].values()) == manifest["loss_tokens"]
+    assert load_manifest(config.output)["rows"] == manifest["rows"]
+    assert (tmp_path / "out" / "quarantine" / "ingest.jsonl").read_text().count("bad_json") == 1
+
+    # A rerun finds every shard committed and rewrites nothing.
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "features").glob("*.parquet")}
+    again = run_extract(config)
+    assert again["rows"] == manifest["rows"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "features").glob("*.parquet")} == stamps
+
+
+def test_streaming_yields_the_written_features(ray_cluster, tmp_path, tiny_target_dir):
+    config = base_config(tmp_path, tiny_target_dir, regenerate=False, tokens_per_batch=4096)
+    run_extract(config)
+    written = read_rows(config.output)
+    streamed = sorted(stream_features(config).take_all(), key=lambda r: r["id"])
+    assert [r["id"] for r in streamed] == [r["id"] for r in written] == [f"conv{i}" for i in range(7)]
+    for a, b in zip(streamed, written):
+        assert a["aux_hidden"] == b["aux_hidden"] and list(a["loss_mask"]) == list(b["loss_mask"])
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (never `ray stop`: that would stop other clusters too)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _extract_cmd(config: ExtractConfig) -> list[str]:
+    return [sys.executable, str(REPO / "jobs" / "extract.py"), "--corpus", config.corpus, "--output", config.output,
+            "--target", config.target, "--max-new-tokens", str(config.max_new_tokens), "--rows-per-shard", "1",
+            "--cpus-per-worker", "0.5", "--max-length", str(config.max_length), "--mlflow-experiment", ""]
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_exactly_once(tmp_path, tiny_target_dir):
+    """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    killed = base_config(tmp_path / "a", tiny_target_dir)
+    clean = base_config(tmp_path / "b", tiny_target_dir)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", EAGLE3_WORK=str(tmp_path / "work"))
+    proc = subprocess.Popen(_extract_cmd(killed), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(committed_shards(killed.output)) < 2:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = committed_shards(killed.output)
+    assert 2 <= len(partial) < 7, "the job must be killed mid-run"
+    kill_session(proc.pid)  # Ray processes of the killed local cluster that left the process group
+
+    for c in (killed, clean):
+        subprocess.run(_extract_cmd(c), env=env, check=True, capture_output=True, timeout=600)
+    resumed, reference = read_rows(killed.output), read_rows(clean.output)
+    assert [r["id"] for r in resumed] == [r["id"] for r in reference]  # no duplicates, no gaps
+    for a, b in zip(resumed, reference):
+        assert a == b
+    assert committed_shards(killed.output) == committed_shards(clean.output)
+    assert not list((tmp_path / "a" / "out" / "features").glob("*.tmp-*"))
