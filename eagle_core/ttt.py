@@ -155,17 +155,20 @@ def ttt_forward(
     step_decay: float = 0.8,
     noise: HiddenNoise | None = None,
     return_logits: bool = False,
+    targets: tuple | None = None,
 ) -> TTTOutput:
     """TTT loss over a padded batch.
 
     input_ids, loss_mask, attention_mask: [B, L]; aux_hidden: [B, L, 3Ht]; target_last_hidden: [B, L, Ht]
     target_lm_head_weight: [V, Ht] (frozen; the target's distribution is computed here, without grad)
+    targets: optional `target_distribution(...)` result, for callers that reuse a batch many times (the
+    full-vocab target logits cost as much as the draft itself on a small draft)
     """
     K = ttt_steps or draft.config.ttt_steps
     B, L = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    target_p, target_argmax = target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
+    target_p, target_argmax = targets or target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
     loss_mask = loss_mask.to(target_p.dtype) * attention_mask.to(target_p.dtype)
     positions = positions_from_mask(attention_mask)
     mask0 = step0_key_mask(attention_mask)
@@ -326,15 +329,25 @@ def make_scheduler(optimizer, cfg: TrainConfig):
 
 
 def batch_to(batch: dict, device) -> dict:
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    def move(v):
+        if torch.is_tensor(v):
+            return v.to(device)
+        return tuple(move(x) for x in v) if isinstance(v, tuple) else v
+    return {k: move(v) for k, v in batch.items()}
+
+
+def with_targets(batch: dict, target_lm_head_weight, d2t) -> dict:
+    """The batch plus its precomputed target distribution (worth it when a batch is trained on repeatedly)."""
+    return {**batch, "targets": target_distribution(batch["last_hidden"], target_lm_head_weight, d2t)}
 
 
 def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig) -> dict:
-    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask]}."""
+    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets]}."""
     draft.train()
     out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
                       target_lm_head_weight, attention_mask=batch.get("attention_mask"),
-                      ttt_steps=cfg.ttt_steps, step_decay=cfg.step_decay, noise=cfg.noise)
+                      ttt_steps=cfg.ttt_steps, step_decay=cfg.step_decay, noise=cfg.noise,
+                      targets=batch.get("targets"))
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)

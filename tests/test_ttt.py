@@ -6,7 +6,7 @@ import torch
 from eagle_core.draft import Eagle3Draft
 from eagle_core.target import capture_features
 from eagle_core.ttt import (HiddenNoise, TrainConfig, simulated_accept_length, target_distribution,
-                            train_draft_steps, ttt_forward, ttt_forward_naive, warmup_cosine)
+                            train_draft_steps, ttt_forward, ttt_forward_naive, warmup_cosine, with_targets)
 from eagle_core.vocab import build_vocab_mapping
 
 B, L = 2, 12
@@ -74,6 +74,16 @@ def test_every_masked_position_counts(tiny_target):
     none = ttt_forward(draft, batch["input_ids"], torch.zeros_like(batch["loss_mask"]), batch["aux_hidden"],
                        batch["last_hidden"], tiny_target.get_output_embeddings().weight, ttt_steps=3)
     assert float(none.loss.detach()) == 0.0
+
+
+def test_precomputed_targets_give_the_same_loss(tiny_target):
+    batch = _batch(tiny_target, "right")
+    draft = _draft(tiny_target)
+    head = tiny_target.get_output_embeddings().weight
+    args = (draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"], head)
+    cached = with_targets(batch, head, draft.d2t)["targets"]
+    torch.testing.assert_close(ttt_forward(*args, attention_mask=batch["attention_mask"], targets=cached).loss,
+                               ttt_forward(*args, attention_mask=batch["attention_mask"]).loss)
 
 
 def test_loss_is_weighted_sum_of_step_losses(tiny_target):
