@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, target_forward
-from eagle_core.tree import TreeConfig, draft_tree
+from eagle_core.tree import Tree, TreeConfig, draft_tree
 from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
 
 
@@ -138,6 +138,8 @@ class RoundOutput:
     draft_hidden: torch.Tensor  # [B, 1, H]
     draft_s: float
     verify_s: float
+    tree: Tree | None = None  # what was verified, and the accepted path in it (autotune reads both)
+    path: torch.Tensor | None = None  # [B, W]
 
 
 def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
@@ -161,7 +163,8 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     aux_path = aux.gather(1, acc.path[:, :, None].expand(-1, -1, aux.shape[-1]))
     draft_hidden = draft_extend(draft, dkv, aux_path, committed, acc.accept_length + 1)
     t3 = _clock(device)
-    return RoundOutput(committed, acc.accept_length, acc.bonus, draft_hidden, (t1 - t0) + (t3 - t2), t2 - t1)
+    return RoundOutput(committed, acc.accept_length, acc.bonus, draft_hidden, (t1 - t0) + (t3 - t2), t2 - t1,
+                       tree, acc.path)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -196,13 +199,15 @@ class _Request:
 @torch.inference_mode()
 def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0, eos_token_id=None, stop: tuple[str, ...] = (), tokenizer=None) -> GenerationResult:
+             seed: int = 0, eos_token_id=None, stop: tuple[str, ...] = (), tokenizer=None,
+             on_round=None) -> GenerationResult:
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
     TreeConfig()). temperature 0 is greedy; otherwise every request samples with its own generator seeded
     `seed + i`, so a request's sample does not depend on what it is batched with. eos_token_id: an id or
     a list of ids that end a request (included in its tokens); stop: strings that end it (needs tokenizer).
+    on_round(round_output, request_indices): called after every speculative round (instrumentation).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -264,6 +269,8 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
             out = speculative_decode(target, draft, kv, dkv, root, draft_hidden, tree, sampling, generators,
                                      aux_layer_ids)
             root, draft_hidden = out.root, out.draft_hidden
+            if on_round is not None:
+                on_round(out, list(active))
             finished = []
             for i, toks, n in zip(active, out.tokens.tolist(), out.accept_length.tolist()):
                 req = requests[i]

@@ -1,0 +1,152 @@
+"""Choose the tree size (`total_tokens`) that maximises expected tokens per second on this machine.
+
+A round costs one draft pass (independent of `total_tokens` for a fixed `top_k`/`depth`) plus one target
+forward over `total_tokens + 1` tokens; it yields tau(total_tokens) tokens (accepted + bonus). Both halves
+are measured:
+
+* `measure_target_forward`: the verification forward (tree mask, aux capture, lm_head on every node) at a
+  few widths on a cache of realistic length; in between, linear interpolation. On a GPU the curve is flat
+  up to dozens of tokens, on this CPU a 32-token forward costs ~2.4 one-token ones.
+* `calibrate_acceptance`: greedy speculative decoding with the largest tree on a few prompts. The kept
+  set of a smaller tree is the top of the same score order (rank < T), and ranks grow along any path, so
+  the accept length a T-node tree would have had is the number of accepted nodes with rank <= T: one
+  calibration run gives tau(T) for every T at once.
+
+expected tokens/s (T) = tau(T) / (draft time per round + verify time(T + 1)).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eagle_core.generate import generate, prefill
+from eagle_core.kv import TargetKV
+from eagle_core.tree import TreeConfig, tree_from_parents
+from eagle_core.verify import verify_tree
+
+DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class AutotuneResult:
+    total_tokens: int  # the choice
+    top_k: int
+    depth: int
+    forward_ms: dict[int, float]  # verify width (tokens incl. root) -> measured target forward time
+    forward_ms_monotone: dict[int, float]  # the same, made non-decreasing in width (noise only adds time)
+    context_tokens: int  # cache length the forwards were timed on
+    draft_ms_per_round: float
+    tau: dict[int, float]  # total_tokens -> expected tokens per round (accepted + bonus)
+    expected_tokens_per_s: dict[int, float]  # total_tokens -> tau / (draft + verify time)
+    calibration: dict = field(default_factory=dict)
+
+    @property
+    def tree(self) -> TreeConfig:
+        return TreeConfig(self.top_k, self.depth, self.total_tokens)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_target_forward(target, widths, context_tokens: int = 256, repeats: int = 3,
+                           aux_layer_ids=None) -> dict[int, float]:
+    """Median wall time (ms) of a verification forward of `width` tokens on a `context_tokens` cache."""
+    device = target.get_input_embeddings().weight.device
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    kv = TargetKV(1, device)
+    prefill(target, kv, [torch.randint(0, vocab, (context_tokens,), generator=g).tolist()], aux_layer_ids)
+    out = {}
+    for width in widths:
+        # a chain-shaped tree: the forward's cost depends on the width, not on the shape
+        parents = torch.clamp(torch.arange(width, device=device) - 1, min=0)[None]
+        tokens = torch.randint(0, vocab, (1, width), generator=g).to(device)
+        tree = tree_from_parents(tokens, parents)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            past = kv.width
+            _sync(device)
+            t0 = time.perf_counter()
+            verify_tree(target, kv, tree, aux_layer_ids)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            kv.keep_new_(past, torch.zeros(1, 1, dtype=torch.long, device=device),
+                         torch.zeros(1, dtype=torch.long, device=device))
+        out[width] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
+    return out
+
+
+def monotone(points: dict[int, float]) -> dict[int, float]:
+    """A wider forward is never cheaper: replace each time by the minimum over all wider widths."""
+    out, best = {}, float("inf")
+    for width in sorted(points, reverse=True):
+        best = min(best, points[width])
+        out[width] = best
+    return dict(sorted(out.items()))
+
+
+def interpolate(points: dict[int, float], x: float) -> float:
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    lo, hi = xs[-2], xs[-1]  # extrapolate linearly beyond the last measurement
+    return points[hi] + (points[hi] - points[lo]) * (x - hi) / (hi - lo)
+
+
+@torch.inference_mode()
+def calibrate_acceptance(target, draft, prompts: list[list[int]], tree: TreeConfig, sizes,
+                         max_new_tokens: int = 48, eos_token_id=None):
+    """tau(T) for every T in `sizes` from greedy decoding with the `tree` (the largest one)."""
+    accepted = {t: 0 for t in sizes}
+    rounds = 0
+
+    def on_round(out, _requests):
+        nonlocal rounds
+        ranks = out.tree.rank.gather(1, out.path)[:, 1:]  # [B, W-1] ranks of the path below the root
+        steps = torch.arange(ranks.shape[1], device=ranks.device)[None, :]
+        on_path = steps < out.accept_length[:, None]
+        for t in sizes:
+            accepted[t] += int(((ranks <= t) & on_path).sum())
+        rounds += ranks.shape[0]
+
+    res = generate(target, prompts, draft=draft, tree=tree, max_new_tokens=max_new_tokens,
+                   eos_token_id=eos_token_id, on_round=on_round)
+    draft_s = sum(s.draft_s for s in res.stats)
+    total_rounds = sum(s.rounds for s in res.stats)
+    tau = {t: 1.0 + accepted[t] / max(rounds, 1) for t in sizes}
+    return tau, 1000 * draft_s / max(total_rounds, 1), res
+
+
+def autotune(target, draft, prompts: list[list[int]], top_k: int = 8, depth: int = 6, sizes=DEFAULT_SIZES,
+             max_new_tokens: int = 48, context_tokens: int = 256, eos_token_id=None) -> AutotuneResult:
+    """Measure, combine, choose. `prompts` should look like the workload (chat prompts)."""
+    max_size = TreeConfig(top_k, depth, max(sizes)).size
+    sizes = sorted({min(s, max_size) for s in sizes})
+    t0 = time.perf_counter()
+    forward_ms = measure_target_forward(target, [s + 1 for s in sizes], context_tokens,
+                                        aux_layer_ids=list(draft.config.aux_layer_ids))
+    t1 = time.perf_counter()
+    tau, draft_ms, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), sizes,
+                                              max_new_tokens, eos_token_id)
+    t2 = time.perf_counter()
+    smooth = monotone(forward_ms)
+    expected = {s: 1000 * tau[s] / (draft_ms + interpolate(smooth, s + 1)) for s in sizes}
+    best = max(sizes, key=lambda s: expected[s])
+    calibration = dict(prompts=len(prompts), rounds=sum(s.rounds for s in res.stats),
+                       new_tokens=sum(s.new_tokens for s in res.stats),
+                       forward_seconds=round(t1 - t0, 1), calibration_seconds=round(t2 - t1, 1))
+    return AutotuneResult(total_tokens=best, top_k=top_k, depth=depth, forward_ms=forward_ms, forward_ms_monotone=smooth,
+                          context_tokens=context_tokens, draft_ms_per_round=draft_ms, tau=tau,
+                          expected_tokens_per_s=expected, calibration=calibration)
