@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,3 +154,48 @@ def test_killed_job_resumes_exactly_once(tmp_path, tiny_target_dir):
         assert a == b
     assert committed_shards(killed.output) == committed_shards(clean.output)
     assert not list((tmp_path / "a" / "out" / "features").glob("*.tmp-*"))
+
+
+@pytest.mark.slow
+def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
+    """`ray start --head` on 127.0.0.1, `ray job submit -- python jobs/extract.py`, SUCCEEDED, output checked."""
+    import mlflow
+
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    port, dashboard = 6391, 8271
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
+                             "--include-dashboard=true", f"--temp-dir={temp_dir}"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        config = base_config(tmp_path, tiny_target_dir)
+        work = tmp_path / "work"
+        runtime_env = json.dumps({"env_vars": {"EAGLE3_WORK": str(work), "RAY_USAGE_STATS_ENABLED": "0"}})
+        cmd = _extract_cmd(config)
+        cmd[cmd.index("--mlflow-experiment") + 1] = "job-test"
+        address = f"http://127.0.0.1:{dashboard}"
+        deadline = time.time() + 120
+        while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            assert time.time() < deadline, "the head did not come up"
+            time.sleep(2)
+        submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json", runtime_env,
+                                    "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
+        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+        assert "succeeded" in (submitted.stdout + submitted.stderr).lower()  # "Job ... succeeded"
+        manifest = load_manifest(config.output)
+        assert manifest["rows"] == len(read_rows(config.output)) > 0
+        mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
+        run = mlflow.get_run(manifest["mlflow_run_id"])
+        assert run.data.metrics["rows"] == manifest["rows"] and run.data.params["target"] == config.target
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_session(head.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
