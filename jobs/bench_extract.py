@@ -1,0 +1,104 @@
+"""Benchmark: extraction tokens/s through the Ray Data pipeline vs a plain in-process loop on the same rows.
+
+    python jobs/bench_extract.py --rows 48 --max-length 512 --out bench/results/extract.json
+
+Both sides start from the same ingested conversations in memory and end with Parquet bytes of the same
+features: the plain loop loads the target, tokenises, runs the target by length batches and encodes; the Ray
+side runs the regular extraction stages (actor start and model load included) with one actor holding as
+many CPUs as the plain process has threads. Regeneration is off: it is generation, benchmarked elsewhere.
+Also reports bytes/token of the written shards against the floor 4*H*bytes_per_element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+
+def plain_loop(rows, config) -> tuple[float, int, int]:
+    from eagle_core.features import featurize, tokenize_for_training
+    from eagle_core.target import default_aux_layer_ids, load_target
+    from pipelines.extract import feature_table
+
+    start = time.perf_counter()
+    model, tokenizer = load_target(config.target, dtype=config.dtype)
+    aux = config.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
+    tokenized, _ = tokenize_for_training(tokenizer, rows, config.max_length)
+    features = featurize(model, tokenized, aux, config.tokens_per_batch)
+    sink = io.BytesIO()
+    pq.write_table(feature_table(features), sink, compression="zstd")
+    return time.perf_counter() - start, sum(len(t[1]) for t in tokenized), sink.tell()
+
+
+def ray_pipeline(rows, config) -> tuple[float, dict]:
+    import ray
+
+    from pipelines.extract import _stages, plan_shards, read_shard_summary
+
+    shards = plan_shards(rows, config.rows_per_shard)
+    start = time.perf_counter()
+    ds = ray.data.from_items(shards, override_num_blocks=len(shards))
+    summaries = [json.loads(r["summary_json"]) for r in _stages(ds, config, write=True).iter_rows()]
+    seconds = time.perf_counter() - start
+    assert all(read_shard_summary(f"{config.output}/features/{s['shard']}.parquet") for s in summaries)
+    return seconds, {"tokens": sum(s["tokens"] for s in summaries), "bytes": sum(s["bytes"] for s in summaries)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--rows", type=int, default=48, help="ShareGPT conversations")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--rows-per-shard", type=int, default=16)
+    p.add_argument("--out", default="bench/results/extract.json")
+    args = p.parse_args(argv)
+
+    from pipelines.cluster import connect
+    from pipelines.data import ingest
+    from pipelines.extract import ExtractConfig
+
+    threads = torch.get_num_threads()
+    connect(num_cpus=max(4, 2 * threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        config = ExtractConfig(target=args.target, output=tmp, regenerate=False, max_length=args.max_length,
+                               tokens_per_batch=args.tokens_per_batch, rows_per_shard=args.rows_per_shard,
+                               num_workers=1, cpus_per_worker=threads, gpus_per_worker=0, mlflow_experiment=None)
+        rows = ingest("sharegpt", limit=args.rows).dataset.take_all()
+        plain_s, tokens, plain_bytes = plain_loop(rows, config)
+        ray_s, ray_out = ray_pipeline(rows, config)
+    assert ray_out["tokens"] == tokens
+    from transformers import AutoConfig
+
+    from eagle_core.target import materialize_hf_folder
+
+    hidden = AutoConfig.from_pretrained(materialize_hf_folder(args.target)).hidden_size
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, torch threads {threads}",
+        "target": args.target, "rows": len(rows), "tokens": tokens, "max_length": args.max_length,
+        "plain_seconds": plain_s, "ray_seconds": ray_s,
+        "plain_tokens_per_s": tokens / plain_s, "ray_tokens_per_s": tokens / ray_s,
+        "ray_over_plain": plain_s / ray_s,
+        "bytes_per_token": ray_out["bytes"] / tokens, "plain_bytes_per_token": plain_bytes / tokens,
+        "min_bytes_per_token": 4 * hidden * 4, "dtype": "float32",
+        "command": "python jobs/bench_extract.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
