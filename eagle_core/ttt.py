@@ -156,6 +156,7 @@ def ttt_forward(
     noise: HiddenNoise | None = None,
     return_logits: bool = False,
     targets: tuple | None = None,
+    step_denominators=None,
 ) -> TTTOutput:
     """TTT loss over a padded batch.
 
@@ -163,6 +164,9 @@ def ttt_forward(
     target_lm_head_weight: [V, Ht] (frozen; the target's distribution is computed here, without grad)
     targets: optional `target_distribution(...)` result, for callers that reuse a batch many times (the
     full-vocab target logits cost as much as the draft itself on a small draft)
+    step_denominators: optional [K] divisors replacing this batch's own per-step position counts. Data
+    parallel training passes (global count / world size), so the ranks' averaged gradients equal those of
+    one process holding the whole global batch, whatever share of positions each rank holds
     """
     K = ttt_steps or draft.config.ttt_steps
     B, L = input_ids.shape
@@ -190,7 +194,7 @@ def ttt_forward(
         hidden = draft.finish_layer(ttt_attention(q, k0, v0, mask0, diag_k, diag_v), residual)
         logits = draft.compute_logits(hidden)  # [B, L, Vd] float32
         results.append((logits, *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
-    return _collect(results, step_decay, return_logits)
+    return _collect(results, step_decay, return_logits, step_denominators)
 
 
 def step_loss(draft, logits, k, target_p, target_argmax, loss_mask):
@@ -210,10 +214,10 @@ def step_loss(draft, logits, k, target_p, target_argmax, loss_mask):
     return (ce * mask).sum(), (hits * mask).sum(), mask.sum()
 
 
-def _collect(results, step_decay, return_logits) -> TTTOutput:
+def _collect(results, step_decay, return_logits, step_denominators=None) -> TTTOutput:
     losses, accs, counts, total = [], [], [], 0.0
     for k, (_, loss_sum, hits, count) in enumerate(results):
-        denom = count.clamp(min=1)
+        denom = count.clamp(min=1) if step_denominators is None else step_denominators[k].to(count)
         step = loss_sum / denom
         total = total + (step_decay ** k) * step
         losses.append(step.detach())
@@ -248,7 +252,10 @@ def naive_ttt_mask(attention_mask, steps: int):
 
 def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidden, target_lm_head_weight,
                       attention_mask=None, ttt_steps=None, step_decay=0.8, return_logits=False) -> TTTOutput:
-    """Same contract as `ttt_forward`, computed the slow and obvious way: O((K*L)^2) attention."""
+    """Same contract as `ttt_forward`, computed the slow and obvious way: O((K*L)^2) attention.
+
+    The loss itself is `step_loss`, checked position by position against its definition in the tests.
+    """
     K = ttt_steps or draft.config.ttt_steps
     B, L = input_ids.shape
     if attention_mask is None:
@@ -267,24 +274,8 @@ def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidde
         hidden = out[:, k * L:]
         hiddens.append(hidden)
         logits = draft.compute_logits(hidden)
-        results.append((logits, *_naive_step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+        results.append((logits, *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
     return _collect(results, step_decay, return_logits)
-
-
-def _naive_step_loss(draft, logits, k, target_p, target_argmax, loss_mask):
-    # Position by position, straight from the definition in the module docstring.
-    B, L, _ = logits.shape
-    loss_sum = logits.new_zeros(())
-    hits = count = 0.0
-    for b in range(B):
-        for t in range(L):
-            if t + k + 2 >= L or loss_mask[b, t + k + 2] == 0:
-                continue
-            log_q = torch.log_softmax(logits[b, t], dim=-1)
-            loss_sum = loss_sum - (target_p[b, t + k + 1] * log_q).sum()
-            hits += float(draft.draft_to_target(logits[b, t].argmax()) == target_argmax[b, t + k + 1])
-            count += 1
-    return loss_sum, torch.tensor(hits), torch.tensor(count)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,13 +332,20 @@ def with_targets(batch: dict, target_lm_head_weight, d2t) -> dict:
     return {**batch, "targets": target_distribution(batch["last_hidden"], target_lm_head_weight, d2t)}
 
 
-def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig) -> dict:
-    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets]}."""
+def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig,
+               forward=None) -> dict:
+    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets,
+    step_denominators]}.
+
+    `forward` (default `ttt_forward`, same signature) lets a distributed caller route the loss through its
+    DDP/FSDP wrapper (gradient sync needs the wrapper's forward) and autocast; the step itself stays here.
+    """
     draft.train()
-    out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
-                      target_lm_head_weight, attention_mask=batch.get("attention_mask"),
-                      ttt_steps=cfg.ttt_steps, step_decay=cfg.step_decay, noise=cfg.noise,
-                      targets=batch.get("targets"))
+    out = (forward or ttt_forward)(
+        draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+        target_lm_head_weight, attention_mask=batch.get("attention_mask"), ttt_steps=cfg.ttt_steps,
+        step_decay=cfg.step_decay, noise=cfg.noise, targets=batch.get("targets"),
+        step_denominators=batch.get("step_denominators"))
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)
