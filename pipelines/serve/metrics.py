@@ -1,0 +1,116 @@
+"""Serving metrics, defined once, exported twice: to Ray's Prometheus export (cluster-wide, `ray_` prefix)
+and in Prometheus text format at the replica's own `GET /metrics` (what one replica saw).
+
+Speculative-decoding definitions (the same as `eagle_core.generate.RequestStats`):
+
+* a *draft round* is one verification of one request's tree or chain (a batched round of B rows counts B);
+  plain rounds of the load fallback propose nothing and are not draft rounds;
+* `accept_length` of a draft round: draft tokens the target accepted, 0..depth, bonus token excluded;
+* tau (mean accept length) = 1 + accepted_tokens / draft_rounds: tokens committed per target forward;
+* per-position acceptance at depth d = accepted_at_position{position=d} / draft_rounds = P(accept_length >= d),
+  non-increasing in d; their sum over d is tau - 1;
+* draft vs verify time: wall time of each batched round in the draft (tree growth + cache extension) and
+  in the target's verification forward with acceptance (`RoundOutput.draft_s` / `verify_s`).
+"""
+
+from __future__ import annotations
+
+PREFIX = "eagle3_serve_"
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class _Metric:
+    """One metric in both backends. kind: counter | histogram | gauge."""
+
+    def __init__(self, kind: str, name: str, doc: str, labels: tuple[str, ...] = (), buckets=None,
+                 registry=None, use_ray: bool = False):
+        import prometheus_client as prom
+
+        self.kind, self.labels = kind, labels
+        cls = {"counter": prom.Counter, "histogram": prom.Histogram, "gauge": prom.Gauge}[kind]
+        extra = {"buckets": buckets} if kind == "histogram" else {}
+        self.prom = cls(PREFIX + name, doc, labels, registry=registry, **extra)
+        self.ray = None
+        if use_ray:
+            from ray.serve import metrics as ray_metrics
+
+            ray_cls = {"counter": ray_metrics.Counter, "histogram": ray_metrics.Histogram,
+                       "gauge": ray_metrics.Gauge}[kind]
+            extra = {"boundaries": list(buckets)} if kind == "histogram" else {}
+            self.ray = ray_cls(PREFIX + name, description=doc, tag_keys=labels, **extra)
+
+    def record(self, value: float = 1.0, **labels) -> None:
+        target = self.prom.labels(**labels) if self.labels else self.prom
+        {"counter": target.inc, "histogram": target.observe, "gauge": target.set}[self.kind](value)
+        if self.ray is not None:
+            tags = {k: str(v) for k, v in labels.items()} or None
+            {"counter": self.ray.inc, "histogram": self.ray.observe, "gauge": self.ray.set}[self.kind](value, tags=tags)
+
+
+class ServeMetrics:
+    def __init__(self, depth: int, use_ray: bool = False):
+        import prometheus_client as prom
+
+        self.registry = prom.CollectorRegistry()
+        self.depth = depth
+        m = lambda *a, **k: _Metric(*a, registry=self.registry, use_ray=use_ray, **k)  # noqa: E731
+        self.requests = m("counter", "requests", "HTTP requests by route and status code", ("route", "code"))
+        self.latency = m("histogram", "request_latency_seconds", "end-to-end request latency", ("route",),
+                         LATENCY_BUCKETS)
+        self.prompt_tokens = m("counter", "prompt_tokens", "prompt tokens of finished requests")
+        self.generated_tokens = m("counter", "generated_tokens", "tokens generated for finished requests")
+        self.rounds = m("counter", "rounds", "batched target forwards after prefill, by decoding mode", ("mode",))
+        self.batch_size = m("histogram", "batch_size", "rows decoded together per round", (), BATCH_BUCKETS)
+        self.round_seconds = m("histogram", "round_seconds", "wall time per batched round: draft vs verify",
+                               ("phase",), ROUND_BUCKETS)
+        self.phase_seconds = m("counter", "phase_seconds", "total wall time in draft vs verify vs prefill",
+                               ("phase",))
+        self.draft_rounds = m("counter", "draft_rounds", "per-request tree/chain verifications (tau's denominator)")
+        self.accepted_tokens = m("counter", "accepted_tokens", "draft tokens accepted (bonus excluded)")
+        self.accept_length = m("histogram", "accept_length", "draft tokens accepted per draft round", (),
+                               tuple(range(depth + 1)))
+        self.accepted_at_position = m("counter", "accepted_at_position",
+                                      "draft rounds whose accept_length reached this depth", ("position",))
+        self.rejected = m("counter", "rejected", "requests refused with 503 (engine full)")
+        self.running = m("gauge", "running", "requests decoding")
+        self.waiting = m("gauge", "waiting", "requests admitted, not decoding yet")
+
+    # -- engine hooks (engine thread) --
+    def on_prefill(self, rows: int, prompt_tokens: int, seconds: float) -> None:
+        self.phase_seconds.record(seconds, phase="prefill")
+
+    def on_round(self, mode: str, batch: int, draft_s: float, verify_s: float, accept_lengths: list[int]) -> None:
+        self.rounds.record(1, mode=mode)
+        self.batch_size.record(batch)
+        for phase, seconds in (("draft", draft_s), ("verify", verify_s)):
+            self.round_seconds.record(seconds, phase=phase)
+            self.phase_seconds.record(seconds, phase=phase)
+        for n in accept_lengths:
+            self.draft_rounds.record(1)
+            self.accepted_tokens.record(n)
+            self.accept_length.record(n)
+            for d in range(1, n + 1):
+                self.accepted_at_position.record(1, position=d)
+
+    def on_finish(self, stats) -> None:
+        self.prompt_tokens.record(stats.prompt_tokens)
+        self.generated_tokens.record(stats.new_tokens)
+
+    # -- HTTP hooks --
+    def on_response(self, route: str, code: int, seconds: float | None = None) -> None:
+        self.requests.record(1, route=route, code=code)
+        if seconds is not None:
+            self.latency.record(seconds, route=route)
+        if code == 503:
+            self.rejected.record(1)
+
+    def on_load(self, running: int, waiting: int) -> None:
+        self.running.record(running)
+        self.waiting.record(waiting)
+
+    def exposition(self) -> bytes:
+        import prometheus_client as prom
+
+        return prom.generate_latest(self.registry)

@@ -1,0 +1,184 @@
+"""What one replica does, independent of Ray: load the models, run the engine, answer the OpenAI routes.
+
+`pipelines.serve.app` wraps this in a Ray Serve deployment; everything here also runs in a plain process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+
+from eagle_core.generate import Generator
+from eagle_core.verify import SamplingConfig
+from pipelines.serve import protocol as P
+from pipelines.serve.config import ServeConfig
+from pipelines.serve.engine import Engine, EngineConfig, Event, GenerationRequest, Overloaded
+from pipelines.serve.metrics import ServeMetrics
+from pipelines.serve.models import load_models
+
+log = logging.getLogger(__name__)
+API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
+
+
+class Service:
+    def __init__(self, config: ServeConfig, use_ray_metrics: bool = False):
+        import torch
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        models = load_models(config.target, config.draft, config.device, config.dtype)
+        self.generator = Generator(models.target, models.tokenizer, models.draft, config.tree)
+        self.context = min(config.max_context, models.context_length)
+        self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
+        self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+        self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
+        self.engine = Engine(models.target, models.tokenizer, models.draft,
+                             EngineConfig(config.tree, config.max_batch_size, config.max_waiting,
+                                          config.tree_max_batch, config.chain_max_batch),
+                             metrics=self.metrics)
+        self.created = P.now()
+        log.info("serving %s (draft: %s) with %s", config.served_name, config.draft, config.tree)
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def authorize(self, headers) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise P.ApiError(401, "missing or invalid bearer token", type="authentication_error",
+                             code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_name:
+            raise P.ApiError(404, f"model {model!r} does not exist; this server serves {self.config.served_name!r}",
+                             param="model", code="model_not_found")
+
+    def prompt_ids(self, req) -> list[int]:
+        if isinstance(req, P.ChatCompletionRequest):
+            ids = self.generator.encode(req.message_dicts)
+        else:
+            prompt = req.prompt_input
+            if isinstance(prompt, list) and any(not 0 <= t < self.vocab_size for t in prompt):
+                raise P.ApiError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            ids = self.generator.encode(prompt)
+        if not ids:
+            raise P.ApiError(400, "the prompt encodes to no tokens", param="prompt")
+        return ids
+
+    def max_tokens(self, req, prompt_len: int) -> int:
+        if prompt_len >= self.context:
+            raise P.ApiError(400, f"prompt has {prompt_len} tokens; this model's context is {self.context}",
+                             param="prompt" if isinstance(req, P.CompletionRequest) else "messages",
+                             code="context_length_exceeded")
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if asked is None:
+            return min(self.config.default_max_tokens, self.context - prompt_len)
+        if asked > self.config.max_tokens_limit:
+            raise P.ApiError(400, f"max_tokens {asked} exceeds the limit {self.config.max_tokens_limit}",
+                             param="max_tokens")
+        if prompt_len + asked > self.context:
+            raise P.ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({asked}) exceeds the context "
+                             f"({self.context})", param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    # ---- routes -------------------------------------------------------------------------------------------
+    def models_body(self) -> dict:
+        return {"object": "list", "data": [{"id": self.config.served_name, "object": "model",
+                                             "created": self.created, "owned_by": "eagle3-pipeline"}]}
+
+    def health_body(self) -> dict:
+        running, waiting = self.engine.load()
+        return {"status": "ok" if self.engine.thread.is_alive() else "dead", "model": self.config.served_name,
+                "speculative": self.generator.draft is not None, "running": running, "waiting": waiting}
+
+    async def submit(self, req) -> tuple[GenerationRequest, asyncio.Queue, int]:
+        """Validate the request against the model and queue it in the engine (ApiError 4xx / 503)."""
+        self.check_model(req.model)
+        ids = self.prompt_ids(req)
+        max_tokens = self.max_tokens(req, len(ids))
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        gen = GenerationRequest(ids, max_tokens, SamplingConfig(req.temperature, req.top_p, req.top_k),
+                                on_event=lambda e: loop.call_soon_threadsafe(queue.put_nowait, e),
+                                seed=req.seed, stop=req.stop_sequences)
+        try:
+            self.engine.submit(gen)
+        except Overloaded as exc:
+            raise P.ApiError(503, f"server overloaded, retry later ({exc})", type="server_overloaded",
+                             code="overloaded") from None
+        finally:
+            self.metrics.on_load(*self.engine.load())
+        return gen, queue, len(ids)
+
+    async def events(self, gen: GenerationRequest, queue: asyncio.Queue):
+        """The engine's events for one request until done; the request is cancelled if we stop early."""
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event.kind != "delta":
+                    return
+        finally:
+            gen.cancelled = True  # no-op once finished; frees the row when the client went away
+            self.metrics.on_load(*self.engine.load())
+
+    async def complete(self, req, chat: bool) -> dict:
+        gen, queue, prompt_len = await self.submit(req)
+        rid, created, parts = P.new_id("chatcmpl" if chat else "cmpl"), P.now(), []
+        async for event in self.events(gen, queue):
+            if event.kind == "error":
+                raise P.ApiError(500, f"generation failed: {event.text}", type="server_error")
+            if event.kind == "delta":
+                parts.append(event.text)
+                continue
+            self.metrics.on_finish(event.stats)
+            build = P.chat_body if chat else P.completion_body
+            return build(rid, created, self.config.served_name, "".join(parts), event.finish_reason,
+                         P.usage(prompt_len, event.stats.new_tokens), P.speculative_info(event.stats, event.modes))
+        raise P.ApiError(500, "generation ended without a result", type="server_error")
+
+    async def stream(self, req, chat: bool, on_end=None):
+        """Server-sent events in OpenAI's chunk format; the final chunk adds usage and speculative stats."""
+        gen, queue, prompt_len = await self.submit(req)
+        return self._stream_events(req, chat, gen, queue, prompt_len, on_end)
+
+    async def _stream_events(self, req, chat, gen, queue, prompt_len, on_end):
+        rid, created, model = P.new_id("chatcmpl" if chat else "cmpl"), P.now(), self.config.served_name
+        chunk = (lambda text, reason=None: P.chat_chunk(rid, created, model, {"content": text} if text else {},
+                                                        reason)) if chat else \
+            (lambda text, reason=None: P.completion_chunk(rid, created, model, text, reason))
+        code = 200
+        try:
+            if chat:
+                yield P.sse(P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+            async for event in self.events(gen, queue):
+                if event.kind == "delta":
+                    yield P.sse(chunk(event.text))
+                elif event.kind == "error":
+                    code = 500
+                    yield P.sse(P.error_body(f"generation failed: {event.text}", "server_error"))
+                else:
+                    self.metrics.on_finish(event.stats)
+                    last = chunk("", event.finish_reason)
+                    last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
+                    last["speculative"] = P.speculative_info(event.stats, event.modes)
+                    yield P.sse(last)
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        usage_chunk = chunk("")
+                        usage_chunk["choices"], usage_chunk["usage"] = [], last["usage"]
+                        yield P.sse(usage_chunk)
+            yield P.SSE_DONE
+        finally:
+            if on_end is not None:
+                on_end(code)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def elapsed_since(t0: float) -> float:
+    return time.perf_counter() - t0
