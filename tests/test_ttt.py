@@ -5,7 +5,7 @@ import torch
 
 from eagle_core.draft import Eagle3Draft
 from eagle_core.target import capture_features
-from eagle_core.ttt import (HiddenNoise, TrainConfig, simulated_accept_length, target_distribution,
+from eagle_core.ttt import (HiddenNoise, TrainConfig, simulated_accept_length, step_loss, target_distribution,
                             train_draft_steps, ttt_forward, ttt_forward_naive, warmup_cosine, with_targets)
 from eagle_core.vocab import build_vocab_mapping
 
@@ -60,6 +60,32 @@ def test_efficient_ttt_matches_naive(tiny_target, padding):
     assert fast_grads.keys() == slow_grads.keys() and "fc.weight" in fast_grads
     for name in fast_grads:
         torch.testing.assert_close(fast_grads[name], slow_grads[name], **tol, msg=name)
+
+
+def test_step_loss_matches_its_definition_position_by_position():
+    """Column t of step k: soft CE against the target at t+k+1, counted when loss_mask[t+k+2] is set."""
+    g = torch.Generator().manual_seed(0)
+    b, length, vd, k = 2, 9, 7, 2
+
+    class Identity:
+        d2t = torch.arange(vd) * 0
+
+        def draft_to_target(self, ids):
+            return ids
+
+    logits = torch.randn(b, length, vd, generator=g)
+    target_p = torch.softmax(torch.randn(b, length, vd, generator=g), -1)
+    target_argmax = target_p.argmax(-1)
+    loss_mask = (torch.rand(b, length, generator=g) > 0.3).float()
+    loss_sum, hits, count = step_loss(Identity(), logits, k, target_p, target_argmax, loss_mask)
+    exp_loss = exp_hits = exp_count = 0.0
+    for i in range(b):
+        for t in range(length):
+            if t + k + 2 < length and loss_mask[i, t + k + 2]:
+                exp_loss -= float((target_p[i, t + k + 1] * torch.log_softmax(logits[i, t], -1)).sum())
+                exp_hits += float(logits[i, t].argmax() == target_argmax[i, t + k + 1])
+                exp_count += 1
+    assert abs(float(loss_sum) - exp_loss) < 1e-4 and float(hits) == exp_hits and float(count) == exp_count
 
 
 def test_every_masked_position_counts(tiny_target):
