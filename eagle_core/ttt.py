@@ -193,7 +193,9 @@ def ttt_forward(
             diag_v.append(vv)
         hidden = draft.finish_layer(ttt_attention(q, k0, v0, mask0, diag_k, diag_v), residual)
         logits = draft.compute_logits(hidden)  # [B, L, Vd] float32
-        results.append((logits, *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+        # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
+        results.append((logits if return_logits else None,
+                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
     return _collect(results, step_decay, return_logits, step_denominators)
 
 
@@ -274,7 +276,9 @@ def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidde
         hidden = out[:, k * L:]
         hiddens.append(hidden)
         logits = draft.compute_logits(hidden)
-        results.append((logits, *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+        # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
+        results.append((logits if return_logits else None,
+                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
     return _collect(results, step_decay, return_logits)
 
 
