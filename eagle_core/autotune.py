@@ -13,6 +13,11 @@ are measured:
   calibration run gives tau(T) for every T at once.
 
 expected tokens/s (T) = tau(T) / (draft time per round + verify time(T + 1)).
+
+The depth is tuned the same way, because on a CPU every draft level costs real time: the candidates of
+the first D' levels do not depend on later levels, so a depth-D' tree of T nodes is the top T (by score)
+of the calibration tree's nodes at depth <= D' (a lower bound on its tau when fewer than T such nodes
+were kept), and `measure_draft` times the draft's tree building at every depth on a synthetic context.
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ class AutotuneResult:
     forward_ms: dict[int, float]  # verify width (tokens incl. root) -> measured target forward time
     forward_ms_monotone: dict[int, float]  # the same, made non-decreasing in width (noise only adds time)
     context_tokens: int  # cache length the forwards were timed on
-    draft_ms_per_round: float
-    tau: dict[int, float]  # total_tokens -> expected tokens per round (accepted + bonus)
-    expected_tokens_per_s: dict[int, float]  # total_tokens -> tau / (draft + verify time)
+    draft_ms: dict[int, float]  # depth -> draft time per round (cache extension + tree building)
+    tau: dict[str, float]  # "depth/total_tokens" -> expected tokens per round (accepted + bonus)
+    expected_tokens_per_s: dict[str, float]  # "depth/total_tokens" -> tau / (draft + verify time)
     calibration: dict = field(default_factory=dict)
 
     @property
@@ -106,47 +111,94 @@ def interpolate(points: dict[int, float], x: float) -> float:
 
 
 @torch.inference_mode()
-def calibrate_acceptance(target, draft, prompts: list[list[int]], tree: TreeConfig, sizes,
+def measure_draft(draft, top_k: int, depths, context_tokens: int = 256, extend_tokens: int = 3,
+                  repeats: int = 3) -> dict[int, float]:
+    """Draft time per round (ms) at each depth: extending its cache by a few tokens + building the tree."""
+    from eagle_core.generate import draft_extend
+    from eagle_core.kv import DraftKV
+    from eagle_core.tree import draft_tree
+
+    device = draft.fc.weight.device
+    cfg = draft.config
+    g = torch.Generator().manual_seed(0)
+
+    def features(n):
+        aux = torch.randn(1, n, 3 * cfg.target_hidden_size, generator=g).to(device, draft.fc.weight.dtype)
+        return aux, torch.randint(0, cfg.target_vocab_size, (1, n), generator=g).to(device)
+
+    dkv = DraftKV(1, device)
+    hidden = draft_extend(draft, dkv, *features(context_tokens), torch.tensor([context_tokens], device=device))
+    out = {}
+    for depth in depths:
+        times = []
+        for _ in range(repeats + 1):
+            snapshot = (dkv.k, dkv.v, dkv.lengths)
+            _sync(device)
+            t0 = time.perf_counter()
+            h = draft_extend(draft, dkv, *features(extend_tokens), torch.tensor([extend_tokens], device=device))
+            draft_tree(draft, dkv, h, torch.zeros(1, dtype=torch.long, device=device), TreeConfig(top_k, depth, 1))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            dkv.k, dkv.v, dkv.lengths = snapshot
+        out[depth] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
+    del hidden
+    return out
+
+
+@torch.inference_mode()
+def calibrate_acceptance(target, draft, prompts: list[list[int]], tree: TreeConfig, depths, sizes,
                          max_new_tokens: int = 48, eos_token_id=None):
-    """tau(T) for every T in `sizes` from greedy decoding with the `tree` (the largest one)."""
-    accepted = {t: 0 for t in sizes}
+    """tau(depth, T) for every depth in `depths` and T in `sizes`, from greedy decoding with `tree`."""
+    accepted = {(d, t): 0 for d in depths for t in sizes}
     rounds = 0
 
     def on_round(out, _requests):
         nonlocal rounds
-        ranks = out.tree.rank.gather(1, out.path)[:, 1:]  # [B, W-1] ranks of the path below the root
-        steps = torch.arange(ranks.shape[1], device=ranks.device)[None, :]
-        on_path = steps < out.accept_length[:, None]
-        for t in sizes:
-            accepted[t] += int(((ranks <= t) & on_path).sum())
-        rounds += ranks.shape[0]
+        depth = out.tree.depth[:, 1:]  # [B, N-1] kept nodes below the root
+        rank = out.tree.rank[:, 1:]
+        on_path = torch.zeros_like(depth, dtype=torch.bool)
+        steps = torch.arange(out.path.shape[1], device=depth.device)[None, :]
+        valid = (steps >= 1) & (steps <= out.accept_length[:, None])
+        rows = torch.arange(depth.shape[0], device=depth.device)[:, None].expand_as(out.path)
+        on_path[rows[valid], out.path[valid] - 1] = True
+        for d in depths:
+            shallow = depth <= d
+            # rank among the nodes of depth <= d: a depth-d tree keeps the best of exactly those
+            order = torch.where(shallow, rank, rank.max() + 1 + rank)
+            sub_rank = order.argsort(dim=-1).argsort(dim=-1) + 1
+            for t in sizes:
+                accepted[(d, t)] += int((on_path & shallow & (sub_rank <= t)).sum())
+        rounds += depth.shape[0]
 
     res = generate(target, prompts, draft=draft, tree=tree, max_new_tokens=max_new_tokens,
                    eos_token_id=eos_token_id, on_round=on_round)
-    draft_s = sum(s.draft_s for s in res.stats)
-    total_rounds = sum(s.rounds for s in res.stats)
-    tau = {t: 1.0 + accepted[t] / max(rounds, 1) for t in sizes}
-    return tau, 1000 * draft_s / max(total_rounds, 1), res
+    tau = {key: 1.0 + n / max(rounds, 1) for key, n in accepted.items()}
+    return tau, res
 
 
 def autotune(target, draft, prompts: list[list[int]], top_k: int = 8, depth: int = 6, sizes=DEFAULT_SIZES,
-             max_new_tokens: int = 48, context_tokens: int = 256, eos_token_id=None) -> AutotuneResult:
-    """Measure, combine, choose. `prompts` should look like the workload (chat prompts)."""
+             depths=None, max_new_tokens: int = 48, context_tokens: int = 256, eos_token_id=None) -> AutotuneResult:
+    """Measure, combine, choose (total_tokens and depth <= `depth`). `prompts` should look like the workload."""
     max_size = TreeConfig(top_k, depth, max(sizes)).size
     sizes = sorted({min(s, max_size) for s in sizes})
+    depths = sorted(depths or range(1, depth + 1))
     t0 = time.perf_counter()
     forward_ms = measure_target_forward(target, [s + 1 for s in sizes], context_tokens,
                                         aux_layer_ids=list(draft.config.aux_layer_ids))
+    draft_ms = measure_draft(draft, top_k, depths, context_tokens)
     t1 = time.perf_counter()
-    tau, draft_ms, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), sizes,
-                                              max_new_tokens, eos_token_id)
+    tau, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), depths, sizes,
+                                    max_new_tokens, eos_token_id)
     t2 = time.perf_counter()
     smooth = monotone(forward_ms)
-    expected = {s: 1000 * tau[s] / (draft_ms + interpolate(smooth, s + 1)) for s in sizes}
-    best = max(sizes, key=lambda s: expected[s])
+    expected = {(d, s): 1000 * tau[(d, s)] / (draft_ms[d] + interpolate(smooth, s + 1))
+                for d in depths for s in sizes if s <= TreeConfig(top_k, d, s).num_candidates}
+    best_depth, best_size = max(expected, key=expected.get)
     calibration = dict(prompts=len(prompts), rounds=sum(s.rounds for s in res.stats),
                        new_tokens=sum(s.new_tokens for s in res.stats),
-                       forward_seconds=round(t1 - t0, 1), calibration_seconds=round(t2 - t1, 1))
-    return AutotuneResult(total_tokens=best, top_k=top_k, depth=depth, forward_ms=forward_ms, forward_ms_monotone=smooth,
-                          context_tokens=context_tokens, draft_ms_per_round=draft_ms, tau=tau,
-                          expected_tokens_per_s=expected, calibration=calibration)
+                       measure_seconds=round(t1 - t0, 1), calibration_seconds=round(t2 - t1, 1))
+    return AutotuneResult(total_tokens=best_size, top_k=top_k, depth=best_depth, forward_ms=forward_ms,
+                          forward_ms_monotone=smooth, context_tokens=context_tokens, draft_ms=draft_ms,
+                          tau={f"{d}/{s}": v for (d, s), v in tau.items()},
+                          expected_tokens_per_s={f"{d}/{s}": v for (d, s), v in expected.items()},
+                          calibration=calibration)

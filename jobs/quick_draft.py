@@ -46,7 +46,7 @@ def feature_batches(model, tokenizer, n: int, max_length: int, min_loss_tokens: 
         feats = capture_features(model, ids)
         batches.append(dict(input_ids=ids, loss_mask=torch.tensor([tok.loss_mask]),
                             aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden))
-        if len(batches) % 50 == 0:
+        if len(batches) % 20 == 0:
             print(f"[quick_draft] features of {len(batches)} conversations", flush=True)
         if len(batches) == n:
             break
@@ -56,13 +56,15 @@ def feature_batches(model, tokenizer, n: int, max_length: int, min_loss_tokens: 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "work" / "drafts" / "smollm2-quick"))
-    p.add_argument("--conversations", type=int, default=300)
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--conversations", type=int, default=200)
+    p.add_argument("--max-length", type=int, default=384)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ttt-steps", type=int, default=5)
+    p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--draft-vocab-size", type=int, default=8000)
+    p.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared 2-core machine")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model, tokenizer = load_target("smollm2-135m", device="cpu", dtype=torch.float32)

@@ -86,3 +86,20 @@ def test_stats_definitions(damped, prompts):
         assert s.new_tokens == len(toks) <= 1 + sum(a + 1 for a in s.accept_lengths)
         assert s.new_tokens > 1 + sum(a + 1 for a in s.accept_lengths[:-1])
         assert s.draft_s > 0 and s.verify_s > 0
+
+
+def test_autotune_choice_and_calibration(damped, prompts):
+    """The chosen (depth, total_tokens) maximises the reported estimate, and the estimate's tau for the
+    calibration tree itself equals the tau that the calibration run actually achieved."""
+    from eagle_core.autotune import autotune, calibrate_acceptance
+
+    draft = echo_draft(damped)
+    res = autotune(damped, draft, prompts[:3], top_k=3, depth=4, sizes=(1, 4, 8, 16), max_new_tokens=16,
+                   context_tokens=32)
+    best = max(res.expected_tokens_per_s, key=res.expected_tokens_per_s.get)
+    assert best == f"{res.depth}/{res.total_tokens}"
+    tau, run = calibrate_acceptance(damped, draft, prompts[:3], TreeConfig(3, 4, 16), [1, 4], [1, 16],
+                                    max_new_tokens=16)
+    achieved = sum(sum(s.accept_lengths) for s in run.stats) / sum(s.rounds for s in run.stats) + 1
+    assert tau[(4, 16)] == pytest.approx(achieved)
+    assert tau[(1, 16)] <= tau[(4, 16)] and tau[(4, 1)] <= tau[(4, 16)]

