@@ -195,20 +195,24 @@ def ttt_forward(
         logits = draft.compute_logits(hidden)  # [B, L, Vd] float32
         # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         results.append((logits if return_logits else None,
-                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask, attention_mask)))
     return _collect(results, step_decay, return_logits, step_denominators)
 
 
-def step_loss(draft, logits, k, target_p, target_argmax, loss_mask):
+def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=None):
     """Soft cross-entropy and top-1 hits of step k over its valid columns t < L-k-2.
 
     logits: [B, L, Vd]; target_p: [B, L, Vd]; target_argmax, loss_mask: [B, L]
+    column_mask: optional [B, L] (the attention mask): a padded column holds no real feature, so it never
+    counts, even when the token it would predict is a loss token (left padding)
     returns (summed loss, hits, count) as 0-d tensors
     """
     L = logits.shape[1]
     n = max(L - k - 2, 0)
     logits = logits[:, :n]
     mask = loss_mask[:, k + 2:]  # token t+k+2 is what column t predicts at step k
+    if column_mask is not None:
+        mask = mask * column_mask[:, :n].to(mask.dtype)
     p = target_p[:, k + 1: k + 1 + n]  # the target's distribution for that token
     ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, n]
     with torch.no_grad():
@@ -278,7 +282,7 @@ def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidde
         logits = draft.compute_logits(hidden)
         # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         results.append((logits if return_logits else None,
-                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask)))
+                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask, attention_mask)))
     return _collect(results, step_decay, return_logits)
 
 

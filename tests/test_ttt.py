@@ -102,6 +102,29 @@ def test_every_masked_position_counts(tiny_target):
     assert float(none.loss.detach()) == 0.0
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_padding_content_never_reaches_the_loss(tiny_target, padding):
+    """Whatever the padded positions hold (features, ids, loss mask), loss and gradients are unchanged.
+
+    With left padding a padded column t would otherwise be scored on a real loss token t+k+2.
+    """
+    batch = _batch(tiny_target, padding)
+    pad = batch["attention_mask"] == 0
+    batch["loss_mask"][1, :] = 1 - pad[1].long()  # every real token is a loss token, right up to the padding
+    noisy = dict(batch)
+    g = torch.Generator().manual_seed(5)
+    noisy["aux_hidden"] = batch["aux_hidden"] + pad[..., None] * torch.randn(batch["aux_hidden"].shape, generator=g)
+    noisy["input_ids"] = batch["input_ids"].masked_fill(pad, 7)
+    noisy["loss_mask"] = batch["loss_mask"].masked_fill(pad, 1)
+    draft = _draft(tiny_target)
+    clean, clean_grads = _run(ttt_forward, draft, batch, tiny_target, steps=3)
+    dirty, dirty_grads = _run(ttt_forward, draft, noisy, tiny_target, steps=3)
+    torch.testing.assert_close(clean.step_losses, dirty.step_losses)
+    torch.testing.assert_close(clean.step_counts, dirty.step_counts)
+    for name in clean_grads:
+        torch.testing.assert_close(clean_grads[name], dirty_grads[name], msg=name)
+
+
 def test_precomputed_targets_give_the_same_loss(tiny_target):
     batch = _batch(tiny_target, "right")
     draft = _draft(tiny_target)
