@@ -128,26 +128,30 @@ def _extract_cmd(config: ExtractConfig) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_job_resumes_exactly_once(tmp_path, tiny_target_dir):
+def test_killed_job_resumes_exactly_once(ray_cluster, tmp_path, tiny_target_dir):
     """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    killed = base_config(tmp_path / "a", tiny_target_dir)
-    clean = base_config(tmp_path / "b", tiny_target_dir)
+    # One conversation per shard, with replies long enough that the kill lands mid-run.
+    killed = base_config(tmp_path / "a", tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
+    clean = base_config(tmp_path / "b", tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
+    for c in (killed, clean):
+        write_corpus(Path(c.corpus), n=8)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", EAGLE3_WORK=str(tmp_path / "work"))
+    env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(_extract_cmd(killed), env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and len(committed_shards(killed.output)) < 2:
-        time.sleep(0.5)
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    partial = committed_shards(killed.output)
-    assert 2 <= len(partial) < 7, "the job must be killed mid-run"
     kill_session(proc.pid)  # Ray processes of the killed local cluster that left the process group
+    partial = committed_shards(killed.output)
+    assert 2 <= len(partial) < 8, "the job must be killed mid-run"
 
-    for c in (killed, clean):
-        subprocess.run(_extract_cmd(c), env=env, check=True, capture_output=True, timeout=600)
+    run_extract(killed)  # the rerun, on this session's cluster
+    run_extract(clean)  # an uninterrupted run of the same job
     resumed, reference = read_rows(killed.output), read_rows(clean.output)
     assert [r["id"] for r in resumed] == [r["id"] for r in reference]  # no duplicates, no gaps
     for a, b in zip(resumed, reference):
