@@ -110,6 +110,14 @@ def test_streaming_yields_the_written_features(ray_cluster, tmp_path, tiny_targe
         assert a["aux_hidden"] == b["aux_hidden"] and list(a["loss_mask"]) == list(b["loss_mask"])
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def kill_session(sid: int) -> None:
     """SIGKILL every process of session `sid` (never `ray stop`: that would stop other clusters too)."""
     for entry in Path("/proc").iterdir():
@@ -166,7 +174,7 @@ def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
     import mlflow
 
     ray_bin = str(Path(sys.executable).parent / "ray")
-    port, dashboard = 6391, 8271
+    port, dashboard = free_port(), free_port()
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
