@@ -7,8 +7,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GE
 GET /health (no auth: probes), GET /metrics (Prometheus text of this replica; no auth: scrapers).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods
+# (with string annotations, `request: Request` of a Serve ingress method turns into a query parameter).
 import os
 import time
 from dataclasses import fields

@@ -21,6 +21,9 @@ ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+_METHOD = {"counter": "inc", "histogram": "observe", "gauge": "set"}
+
+
 class _Metric:
     """One metric in both backends. kind: counter | histogram | gauge."""
 
@@ -42,11 +45,10 @@ class _Metric:
             self.ray = ray_cls(PREFIX + name, description=doc, tag_keys=labels, **extra)
 
     def record(self, value: float = 1.0, **labels) -> None:
-        target = self.prom.labels(**labels) if self.labels else self.prom
-        {"counter": target.inc, "histogram": target.observe, "gauge": target.set}[self.kind](value)
-        if self.ray is not None:
-            tags = {k: str(v) for k, v in labels.items()} or None
-            {"counter": self.ray.inc, "histogram": self.ray.observe, "gauge": self.ray.set}[self.kind](value, tags=tags)
+        method = _METHOD[self.kind]
+        getattr(self.prom.labels(**labels) if self.labels else self.prom, method)(value)
+        if self.ray is not None and (self.kind != "counter" or value > 0):  # Ray counters refuse inc(0)
+            getattr(self.ray, method)(value, tags={k: str(v) for k, v in labels.items()} or None)
 
 
 class ServeMetrics:
@@ -69,8 +71,9 @@ class ServeMetrics:
                                ("phase",))
         self.draft_rounds = m("counter", "draft_rounds", "per-request tree/chain verifications (tau's denominator)")
         self.accepted_tokens = m("counter", "accepted_tokens", "draft tokens accepted (bonus excluded)")
+        # Buckets at d + 0.5: `le="d.5"` counts accept_length <= d (Ray wants positive boundaries).
         self.accept_length = m("histogram", "accept_length", "draft tokens accepted per draft round", (),
-                               tuple(range(depth + 1)))
+                               tuple(d + 0.5 for d in range(depth)))
         self.accepted_at_position = m("counter", "accepted_at_position",
                                       "draft rounds whose accept_length reached this depth", ("position",))
         self.rejected = m("counter", "rejected", "requests refused with 503 (engine full)")

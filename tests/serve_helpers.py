@@ -1,0 +1,143 @@
+"""One live local Serve deployment shared by tests/test_serve.py and tests/test_serve_validation.py.
+
+The target is a tiny random Llama with SmolLM2's tokenizer whose blocks are damped (it repeats tokens in
+runs and switches now and then); the draft is the hand-set echo draft, which proposes "repeat": so
+acceptance is neither all nor nothing. The draft is saved as a checkpoint and registered in a temporary
+MLflow registry, so the replica loads it through `models:/<name>@<alias>`.
+Started once per session (module-scoped fixtures in both files call `live_deployment`); the session's
+`ray_cluster` teardown stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import httpx
+
+API_KEY = "test-token-123"
+MODEL = "tiny-eagle3"
+_LIVE: dict = {}
+
+
+@dataclass
+class Live:
+    url: str
+    target: object
+    tokenizer: object
+    draft: object
+    config: object  # ServeConfig
+
+    def client(self, auth: bool = True, timeout: float = 120.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def async_client(self, timeout: float = 120.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                 timeout=timeout, limits=httpx.Limits(max_connections=100))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def register_draft(folder, name: str) -> str:
+    """Log the draft folder as a run artifact, register it, alias it 'serve': returns models:/name@serve."""
+    from mlflow import MlflowClient
+
+    from pipelines import tracking
+
+    mlflow = tracking.configure()
+    with tracking.start_run("serve-tests", run_name="tiny-echo-draft") as run:
+        mlflow.log_artifacts(str(folder), artifact_path="draft")
+        source = mlflow.get_artifact_uri("draft")
+    client = MlflowClient()
+    client.create_registered_model(name)
+    version = client.create_model_version(name, source=source, run_id=run.info.run_id)
+    client.set_registered_model_alias(name, "serve", version.version)
+    return f"models:/{name}@serve"
+
+
+def wait_healthy(url: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout}s")
+
+
+def save_target(folder, tokenizer):
+    """A damped tiny Llama (tied embeddings: it tends to repeat its input) as an HF folder."""
+    from decode_helpers import damped_tiny_llama
+
+    model = damped_tiny_llama(1.5, vocab_size=len(tokenizer), num_hidden_layers=4, seed=3)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, name, getattr(tokenizer, name))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def live_deployment(tmp_path_factory, tokenizer) -> Live:
+    if "live" in _LIVE:
+        return _LIVE["live"]
+    import torch
+    from ray import serve
+
+    from decode_helpers import echo_draft
+    from eagle_core.checkpoint import load_draft, save_draft
+    from eagle_core.target import load_target
+    from pipelines.serve.app import build_app, split_args
+
+    target_dir = save_target(tmp_path_factory.mktemp("serve-target"), tokenizer)
+    target, tokenizer = load_target(str(target_dir), device="cpu", dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("echo-draft")
+    save_draft(echo_draft(target), folder)
+    args = dict(target=str(target_dir), model_name=MODEL, top_k=4, depth=4, total_tokens=12,
+                max_batch_size=4, max_waiting=4, tree_max_batch=1, chain_max_batch=2, max_context=256,
+                max_tokens_limit=64, api_key=API_KEY, torch_threads=1, num_cpus=0.5, num_gpus=0)
+    with env(EAGLE3_WORK=str(tmp_path_factory.mktemp("serve-work"))):
+        args["draft"] = register_draft(folder, "tiny-echo-draft")
+        app = build_app(args)  # the replica inherits EAGLE3_WORK: it resolves the registry URI itself
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app, name="eagle3-test", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    config, _ = split_args(args)
+    _LIVE["live"] = Live(url, target, tokenizer, load_draft(folder, target=target).eval(), config)
+    return _LIVE["live"]
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into JSON chunks (and the final '[DONE]' string)."""
+    events = []
+    for block in text.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
