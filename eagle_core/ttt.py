@@ -366,16 +366,41 @@ def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, 
     return metrics
 
 
-def train_draft_steps(draft, batches: Iterable[dict], target_lm_head_weight, cfg: TrainConfig,
-                      optimizer=None, scheduler=None, on_step=None) -> list[dict]:
-    """Run `cfg.total_steps` steps (cycling `batches` if needed); returns per-step metrics.
+def train_state_dict(draft, optimizer, scheduler, step: int) -> dict:
+    """What a resumed run needs: the draft's weights and vocab, AdamW moments, the schedule position, the step.
 
-    `on_step(step, metrics)` is where a caller logs or checkpoints; return True from it to stop early.
+    Plain tensors and numbers only, so `torch.save` / `torch.load(..., weights_only=True)` round-trip it.
+    The target's frozen embedding is left out (it comes with the target); a draft's own one is kept.
+    """
+    weights = {k: v for k, v in draft.state_dict().items()
+               if k != "embed_tokens.weight" or draft.embed_tokens.weight.requires_grad}
+    return {"draft": weights, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": int(step)}
+
+
+def load_train_state(state: dict, draft, optimizer, scheduler) -> int:
+    """Restore `train_state_dict` output into a freshly built draft/optimizer/scheduler; returns the step."""
+    missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+    missing = [k for k in missing if k != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise ValueError(f"training state does not fit this draft: missing={missing} unexpected={unexpected}")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])
+
+
+def train_draft_steps(draft, batches: Iterable[dict], target_lm_head_weight, cfg: TrainConfig,
+                      optimizer=None, scheduler=None, on_step=None, start_step: int = 0) -> list[dict]:
+    """Run steps `start_step`..`cfg.total_steps` (cycling `batches` if needed); returns per-step metrics.
+
+    `on_step(step, metrics)` is where a caller logs or checkpoints (`train_state_dict`); return True from it
+    to stop early. To resume, rebuild draft/optimizer/scheduler, `load_train_state`, and pass the step it
+    returns as `start_step` (with the batches not yet seen).
     """
     optimizer = optimizer or make_optimizer(draft, cfg)
     scheduler = scheduler or make_scheduler(optimizer, cfg)
     device = draft.fc.weight.device
-    history, step = [], 0
+    history, step = [], start_step
     while step < cfg.total_steps:
         progressed = False
         for batch in batches:

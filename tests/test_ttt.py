@@ -5,8 +5,9 @@ import torch
 
 from eagle_core.draft import Eagle3Draft
 from eagle_core.target import capture_features
-from eagle_core.ttt import (HiddenNoise, TrainConfig, simulated_accept_length, step_loss, target_distribution,
-                            train_draft_steps, ttt_forward, ttt_forward_naive, warmup_cosine, with_targets)
+from eagle_core.ttt import (HiddenNoise, TrainConfig, load_train_state, make_optimizer, make_scheduler,
+                            simulated_accept_length, step_loss, target_distribution, train_draft_steps,
+                            train_state_dict, ttt_forward, ttt_forward_naive, warmup_cosine, with_targets)
 from eagle_core.vocab import build_vocab_mapping
 
 B, L = 2, 12
@@ -195,3 +196,29 @@ def test_training_loop_fits_a_batch_and_keeps_frozen_weights(tiny_target, lm_hea
     assert _excess_step0_loss(draft, batch, head) < 0.5 * before
     for name, value in frozen.items():
         assert torch.equal(dict(draft.named_parameters())[name], value), name
+
+
+def test_resumed_training_equals_uninterrupted(tiny_target, tmp_path):
+    """Stop after 3 of 6 steps, save the state (weights_only round trip), rebuild everything, resume: same weights."""
+    batches = [_batch(tiny_target, "right", seed=1), _batch(tiny_target, "left", seed=2)]
+    head = tiny_target.get_output_embeddings().weight
+    cfg = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=6, ttt_steps=2)
+
+    straight = _draft(tiny_target)
+    train_draft_steps(straight, batches, head, cfg)
+
+    first = _draft(tiny_target)
+    opt = make_optimizer(first, cfg)
+    sched = make_scheduler(opt, cfg)
+    train_draft_steps(first, batches, head, cfg, opt, sched, on_step=lambda step, _: step == 3)
+    torch.save(train_state_dict(first, opt, sched, step=3), tmp_path / "state.pt")
+
+    resumed = _draft(tiny_target, seed=123)  # different init: everything must come from the saved state
+    opt2 = make_optimizer(resumed, cfg)
+    sched2 = make_scheduler(opt2, cfg)
+    start = load_train_state(torch.load(tmp_path / "state.pt", weights_only=True), resumed, opt2, sched2)
+    assert start == 3
+    history = train_draft_steps(resumed, batches[1:] + batches[:1], head, cfg, opt2, sched2, start_step=start)
+    assert len(history) == 3
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
