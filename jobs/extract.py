@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padded tokens per target forward (rows are batched by similar length)")
     p.add_argument("--rows-per-shard", type=int, default=d.rows_per_shard, help="conversations per output shard")
     p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size, help="conversations per generate call")
+    p.add_argument("--reuse-from", action="append", default=[], metavar="URL",
+                   help="an earlier extraction output (same target and settings) whose committed shards are copied "
+                        "instead of recomputed; repeatable")
     p.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment ('' = no tracking)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     return p

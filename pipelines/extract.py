@@ -70,6 +70,10 @@ class ExtractConfig:
     rows_per_shard: int = 64
     regen_batch_size: int = 16
     mlflow_experiment: str | None = "eagle3-extract"
+    # Earlier extraction outputs of the same target and settings: a planned shard committed there is copied
+    # (features and regenerated conversations) instead of being computed again. Retraining at growing data
+    # scales uses it: shard k of a prefix of the corpus is shard k of the whole.
+    reuse_from: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,6 +145,30 @@ def plan_shards(rows: list[dict], rows_per_shard: int) -> list[dict]:
          "rows_json": json.dumps(rows[k:k + rows_per_shard], ensure_ascii=False)}
         for k in range(0, len(rows), rows_per_shard)
     ]
+
+
+def reuse_shards(config: ExtractConfig, names: list[str]) -> list[str]:
+    """Copy planned shards committed in `config.reuse_from` outputs into this output; returns their names."""
+    done = committed_shards(config.output)
+    reused = []
+    for source in config.reuse_from:
+        available = committed_shards(source) - done
+        for name in names:
+            if name not in available:
+                continue
+            regenerated = _join(source, "regenerated", f"{name}.jsonl")
+            if config.regenerate and exists(regenerated):
+                commit_bytes(_join(config.output, "regenerated", f"{name}.jsonl"), _read_bytes(regenerated))
+            commit_bytes(_join(config.output, "features", f"{name}.parquet"),
+                         _read_bytes(_join(source, "features", f"{name}.parquet")))
+            done.add(name)
+            reused.append(name)
+    return reused
+
+
+def _read_bytes(url: str) -> bytes:
+    with fsspec.open(url, "rb") as f:
+        return f.read()
 
 
 def read_shard_summary(url: str) -> dict:
@@ -303,6 +331,7 @@ def run_extract(config: ExtractConfig) -> dict:
         quarantine_lines = [json.dumps(q, ensure_ascii=False) for q in ingested.quarantine.take_all()]
         commit_bytes(_join(config.output, "quarantine", "ingest.jsonl"), ("\n".join(quarantine_lines) + "\n").encode())
     shards = plan_shards(rows, config.rows_per_shard)
+    reused = reuse_shards(config, [s["shard"] for s in shards])
     done = committed_shards(config.output)
     todo = [s for s in shards if s["shard"] not in done]
     print(f"[extract] {len(shards)} shards of <= {config.rows_per_shard} rows: {len(shards) - len(todo)} already "
@@ -319,6 +348,7 @@ def run_extract(config: ExtractConfig) -> dict:
     manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
                               ingested.stats.to_dict(), weights_fingerprint(config.target))
     manifest["seconds"] = time.perf_counter() - started
+    manifest["reused_shards"] = reused
     if config.mlflow_experiment:
         manifest["mlflow_run_id"] = _log_to_mlflow(config, manifest)
     commit_bytes(_join(config.output, "manifest.json"), json.dumps(manifest, indent=1).encode())

@@ -1,0 +1,81 @@
+"""Retrain the draft at growing data scales: extract what is new -> train -> evaluate -> promote.
+
+    python jobs/retrain.py --scales 200,400 --limit-eval 8
+    ray job submit --address http://127.0.0.1:8265 -- python $PWD/jobs/retrain.py --scales 0.25,0.5,1.0
+
+Each scale is a corpus prefix (a row count, or a fraction <= 1 of the corpus); shards extracted for a
+smaller scale are reused, a scale trained before is not trained again. The new draft version becomes the
+registry's `champion` only if its greedy tau beats the champion's by --margin; otherwise `candidate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipelines.retrain import RetrainConfig, run_retrain  # noqa: E402
+
+
+def parse_scales(text: str) -> list[float]:
+    try:
+        scales = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+    if not scales or any(s <= 0 for s in scales):
+        raise argparse.ArgumentTypeError("scales must be positive (fractions <= 1 or row counts)")
+    return scales
+
+
+def parse_overrides(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RetrainConfig()
+    p = argparse.ArgumentParser(prog="retrain.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--corpus", default=d.corpus, help="corpus URL; 'sharegpt' = the embedded ShareGPT file")
+    p.add_argument("--scales", type=parse_scales, default=d.scales,
+                   help="comma-separated data scales: fractions <= 1 of the corpus, or row counts")
+    p.add_argument("--corpus-rows", type=int, default=d.corpus_rows, help="rows a fraction refers to (default: all)")
+    p.add_argument("--work", default=d.work, help="URL for the features and drafts of every scale")
+    p.add_argument("--target", default=d.target, help="target model: HF folder, .gguf file or 'smollm2-135m'")
+    p.add_argument("--registered-model", default=d.registered_model, help="MLflow registered model of the drafts")
+    p.add_argument("--eval-prompts", default=d.eval_prompts, help="'mtbench' or a JSONL file of {prompt|messages}")
+    p.add_argument("--eval-count", type=int, default=d.eval_count, help="held-out prompts decoded per evaluation")
+    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens, help="tokens per evaluation prompt")
+    p.add_argument("--margin", type=float, default=d.margin, help="tau gain over the champion needed for promotion")
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
+                   help="initialise from the current champion when compatible (else from scratch)")
+    p.add_argument("--extract", type=parse_overrides, default=d.extract,
+                   help='ExtractConfig overrides as JSON, e.g. \'{"max_new_tokens": 256, "num_workers": 4}\'')
+    p.add_argument("--train", type=parse_overrides, default=d.train,
+                   help='TrainJobConfig overrides as JSON, e.g. \'{"epochs": 3, "num_workers": 2}\'')
+    p.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment of the parent run")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    address = args.pop("address")
+    from pipelines.cluster import connect
+
+    connect(address)
+    result = run_retrain(RetrainConfig(**args))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

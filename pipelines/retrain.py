@@ -1,0 +1,246 @@
+"""Retraining at growing data scales: extract what is new -> train -> evaluate by real decoding -> promote.
+
+Each scale is a prefix of the corpus (a row count, or a fraction of the corpus). Its extraction output
+reuses every shard an earlier scale already committed (shard k of a prefix is shard k of the whole), so a
+larger scale only regenerates and extracts the rows it adds; a scale whose draft was already trained
+skips training. Evaluation decodes held-out prompts greedily with the new draft and with the current
+champion; the new version takes alias `champion` only when its tau beats the champion's by `margin`,
+otherwise it stays `candidate`. One MLflow parent run per invocation, one child run per scale, and the
+tau-vs-data-scale curve (EAGLE-3's scaling property, for this target) as a plot on the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+CHAMPION, CANDIDATE = "champion", "candidate"
+
+
+@dataclass
+class RetrainConfig:
+    corpus: str = "sharegpt"
+    scales: list[float] = field(default_factory=lambda: [0.5, 1.0])  # <= 1: fraction of corpus_rows; > 1: rows
+    corpus_rows: int | None = None  # rows a fraction refers to (None: every row of the corpus)
+    work: str = "work/retrain"
+    target: str = "smollm2-135m"
+    registered_model: str = "eagle3-draft"
+    eval_prompts: str = "mtbench"  # 'mtbench' (turn 1 of the 80 questions) or a JSONL file of {"prompt"|"messages"}
+    eval_count: int = 8  # held-out prompts decoded per evaluation
+    eval_max_new_tokens: int = 64
+    eval_top_k: int = 8
+    eval_depth: int = 5
+    eval_total_tokens: int = 24
+    margin: float = 0.05  # tau the new draft must gain over the champion to replace it
+    warm_start: bool = True  # initialise from the current champion when its shapes fit
+    extract: dict = field(default_factory=dict)  # ExtractConfig overrides (regenerate, max_length, ...)
+    train: dict = field(default_factory=dict)  # TrainJobConfig overrides (epochs, lr, num_workers, ...)
+    mlflow_experiment: str = "eagle3-retrain"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def scale_rows(scale: float, corpus_rows: int) -> int:
+    rows = int(round(scale * corpus_rows)) if scale <= 1 else int(scale)
+    if rows < 1:
+        raise ValueError(f"scale {scale} selects no rows of a {corpus_rows}-row corpus")
+    return rows
+
+
+def count_corpus_rows(corpus: str) -> int:
+    from pipelines.data import ingest
+
+    return ingest(corpus).stats.read
+
+
+def _join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation by real decoding
+# --------------------------------------------------------------------------------------------------
+
+def load_eval_prompts(source: str, count: int) -> list[list[dict]]:
+    """Chat prompts (lists of messages) for evaluation."""
+    if source == "mtbench":
+        from pipelines.data import load_mtbench_questions
+
+        return [[{"role": "user", "content": q["turns"][0]}] for q in load_mtbench_questions()[:count]]
+    import fsspec
+
+    prompts = []
+    with fsspec.open(source, "rt") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                prompts.append(row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}])
+    return prompts[:count]
+
+
+def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: RetrainConfig) -> dict:
+    """Greedy speculative decoding of each prompt (batch 1): tau and tokens/s, beside the plain loop's."""
+    from eagle_core.chat import prompt_ids
+    from eagle_core.generate import generate
+    from eagle_core.tree import TreeConfig
+
+    tree = TreeConfig(top_k=config.eval_top_k, depth=config.eval_depth, total_tokens=config.eval_total_tokens)
+    accepted, rounds, spec_tokens, spec_s, plain_tokens, plain_s = 0, 0, 0, 0.0, 0, 0.0
+    for messages in prompts:
+        ids = [prompt_ids(tokenizer, messages)]
+        for use_draft in (True, False):
+            start = time.perf_counter()
+            out = generate(target, ids, draft=draft if use_draft else None, tree=tree,
+                           max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+            seconds = time.perf_counter() - start
+            stats = out.stats[0]
+            if use_draft:
+                accepted += sum(stats.accept_lengths) + stats.rounds  # bonus token counted, as tau defines
+                rounds += stats.rounds
+                spec_tokens, spec_s = spec_tokens + stats.new_tokens, spec_s + seconds
+            else:
+                plain_tokens, plain_s = plain_tokens + stats.new_tokens, plain_s + seconds
+    spec_tps, plain_tps = spec_tokens / max(spec_s, 1e-9), plain_tokens / max(plain_s, 1e-9)
+    return {"tau": accepted / max(rounds, 1), "tokens_per_s": spec_tps, "plain_tokens_per_s": plain_tps,
+            "speedup": spec_tps / max(plain_tps, 1e-9), "prompts": len(prompts)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------
+
+def _client():
+    from pipelines import tracking
+
+    return tracking.configure().tracking.MlflowClient()
+
+
+def alias_version(name: str, alias: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _client().get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def download_version(name: str, version) -> str:
+    from pipelines import tracking
+
+    mlflow = tracking.configure()
+    return mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}")
+
+
+def promote(name: str, version, new_tau: float, champion_tau: float | None, margin: float) -> bool:
+    """Alias the new version `champion` when it beats the champion by `margin`; else `candidate`."""
+    client = _client()
+    client.set_model_version_tag(name, str(version), "tau", f"{new_tau:.4f}")
+    promoted = champion_tau is None or new_tau > champion_tau + margin
+    client.set_registered_model_alias(name, CHAMPION if promoted else CANDIDATE, str(version))
+    return promoted
+
+
+def draft_folder_of(train_result: dict) -> str:
+    return train_result["draft_dir"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The job
+# --------------------------------------------------------------------------------------------------
+
+def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
+    from pipelines.extract import ExtractConfig, run_extract
+
+    extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "limit": rows,
+                               "output": _join(config.work, "features", f"rows-{rows}"), "reuse_from": earlier,
+                               "mlflow_experiment": config.extract.get("mlflow_experiment")})
+    return run_extract(extract)
+
+
+def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str | None) -> dict:
+    from pipelines.train import TrainJobConfig, run_train
+
+    train = TrainJobConfig(**{**config.train, "features": features, "target": config.target,
+                              "output": _join(config.work, "drafts", f"rows-{rows}"),
+                              "registered_model_name": config.registered_model, "init_from": init_from,
+                              "resume": True})
+    return run_train(train)
+
+
+def _plot_scaling(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    xs = [p["rows"] for p in points]
+    ax.plot(xs, [p["tau"] for p in points], "o-", label="new draft")
+    ax.set_xscale("log")
+    ax.set_xlabel("training conversations")
+    ax.set_ylabel("mean accept length tau (greedy)")
+    ax.set_title("EAGLE-3 scaling: acceptance vs data")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_retrain(config: RetrainConfig) -> dict:
+    """Run every scale in ascending order; returns {"parent_run_id", "scales": [per-scale results]}."""
+    import tempfile
+
+    from eagle_core.checkpoint import load_draft
+    from eagle_core.target import load_target
+    from pipelines import tracking
+
+    corpus_rows = config.corpus_rows or (count_corpus_rows(config.corpus) if any(s <= 1 for s in config.scales) else 0)
+    scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
+    target, tokenizer = load_target(config.target)
+    prompts = load_eval_prompts(config.eval_prompts, config.eval_count)
+    results, earlier = [], []
+    mlflow = tracking.configure()
+    with tracking.start_run(config.mlflow_experiment, run_name="retrain") as parent:
+        mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, dict)) else v
+                           for k, v in config.to_dict().items() if v is not None})
+        for rows in scales:
+            with tracking.start_run(config.mlflow_experiment, run_name=f"scale-{rows}", nested=True) as child:
+                manifest = _extract_scale(config, rows, earlier)
+                features = _join(config.work, "features", f"rows-{rows}")
+                earlier.append(features)
+                champion = alias_version(config.registered_model, CHAMPION)
+                champion_dir = download_version(config.registered_model, champion.version) if champion else None
+                trained = _train_scale(config, rows, features, champion_dir if config.warm_start else None)
+                version = trained["registered_version"]
+                new = evaluate_draft(target, tokenizer, load_draft(draft_folder_of(trained), target=target),
+                                     prompts, config)
+                champion_eval = None
+                if champion is not None and str(champion.version) != str(version):
+                    champion_eval = evaluate_draft(target, tokenizer, load_draft(champion_dir, target=target),
+                                                   prompts, config)
+                promoted = promote(config.registered_model, version, new["tau"],
+                                   champion_eval["tau"] if champion_eval else None, config.margin)
+                result = {"rows": rows, "version": version, "promoted": promoted, "tau": new["tau"],
+                          "tokens_per_s": new["tokens_per_s"], "speedup": new["speedup"],
+                          "champion_tau": champion_eval["tau"] if champion_eval else None,
+                          "reused_shards": len(manifest.get("reused_shards", [])),
+                          "shards": len(manifest["shards"]), "train_run_id": trained.get("run_id"),
+                          "child_run_id": child.info.run_id}
+                mlflow.log_params({"rows": rows, "registered_version": version, "reused_shards": result["reused_shards"],
+                                   "train_run_id": result["train_run_id"]})
+                mlflow.log_metrics({k: float(result[k]) for k in ("tau", "tokens_per_s", "speedup", "shards")}
+                                   | {"promoted": float(promoted)})
+                results.append(result)
+                print(f"[retrain] {rows} rows: tau {new['tau']:.2f} (champion "
+                      f"{result['champion_tau'] if result['champion_tau'] is not None else '-'}), "
+                      f"{'promoted to champion' if promoted else 'stays candidate'}; reused "
+                      f"{result['reused_shards']}/{result['shards']} shards", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            plot = os.path.join(tmp, "tau_vs_data_scale.png")
+            _plot_scaling(results, plot)
+            mlflow.log_artifact(plot)
+            mlflow.log_dict({"scales": results}, "scaling.json")
+        return {"parent_run_id": parent.info.run_id, "scales": results}
