@@ -52,3 +52,18 @@ def start_run(experiment: str, run_name: str | None = None, run_id: str | None =
     with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name,
                           nested=nested, tags=tags) as run:
         yield run
+
+
+def register_artifact(run_id: str, artifact_path: str, name: str, alias: str | None = None) -> int:
+    """Register a run's artifact folder as a new version of model `name`; point `alias` at it. Returns the version."""
+    mlflow = configure()
+    client = mlflow.tracking.MlflowClient()
+    try:
+        client.create_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        pass  # it exists already (or was created concurrently)
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+    version = client.create_model_version(name, source=source, run_id=run_id)
+    if alias:
+        client.set_registered_model_alias(name, alias, version.version)
+    return int(version.version)

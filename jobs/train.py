@@ -1,0 +1,143 @@
+"""Train an EAGLE-3 draft with training-time test on Ray Train, from extracted features or a streamed corpus.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python jobs/train.py --features work/features --output work/train/run1 --num-workers 2
+    python jobs/train.py --features s3://bucket/features/run1 --output work/train/run1 --num-workers 8 --use-gpu
+    python jobs/train.py --corpus sharegpt --limit 2000 --target smollm2-135m --output work/train/online
+
+Connects to the cluster `ray job submit` gives it, else starts an embedded local one. Checkpoints go to
+<output>/ray; rerun with --resume to continue a stopped run where its last checkpoint left it. The final
+draft lands in <output>/draft (vLLM/SGLang layout) and <output>/draft-speculators, is logged to MLflow and
+registered as a new version of --registered-model-name with alias `candidate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train  # noqa: E402
+
+# Streaming mode: the extraction options (jobs/extract.py) that apply, with their ExtractConfig names.
+STREAM_OPTIONS = {
+    "limit": "limit", "max_length": "max_length", "regenerate": "regenerate", "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature", "aux_layer_ids": "aux_layer_ids", "dtype": "dtype",
+    "extract_workers": "num_workers", "gpus_per_extract_worker": "gpus_per_worker",
+    "cpus_per_extract_worker": "cpus_per_worker", "extract_tokens_per_batch": "tokens_per_batch",
+    "rows_per_shard": "rows_per_shard", "regen_batch_size": "regen_batch_size",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipelines.extract import ExtractConfig
+
+    d = TrainJobConfig(features="x")
+    e = ExtractConfig()
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_argument_group("data (give --features or --corpus)")
+    src.add_argument("--features", default=None, help="extraction output URL (manifest.json + features/*.parquet)")
+    src.add_argument("--corpus", default=None, help="stream features from this corpus instead (no features on "
+                     "disk); 'sharegpt' = the embedded ShareGPT file")
+    p.add_argument("--output", default=d.output, help="output folder: checkpoints (ray/), exported drafts, summary")
+    p.add_argument("--target", default=None, help="target model (default: the manifest's; required with --corpus)")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--num-workers", type=int, default=d.num_workers, help="Ray Train workers (data parallel)")
+    t.add_argument("--use-gpu", action=argparse.BooleanOptionalAction, default=d.use_gpu, help="one GPU per worker")
+    t.add_argument("--cpus-per-worker", type=float, default=d.cpus_per_worker,
+                   help="CPUs per worker (fractions keep Ray Data's readers from starving on small machines)")
+    t.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="ddp, or fsdp for large drafts")
+    t.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
+    t.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many optimiser steps")
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps "
+                   "(default: --warmup-ratio of the planned steps)")
+    t.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="warm-up as a fraction of the steps")
+    t.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor, as a fraction of --lr")
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    t.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping norm")
+    t.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
+                   help="real tokens per optimiser step, over all workers together")
+    t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test steps")
+    t.add_argument("--step-decay", type=float, default=d.step_decay, help="TTT step k's loss weight is decay**k")
+    t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help="draft vocabulary: the most frequent loss-masked target tokens")
+    t.add_argument("--lm-head-init", choices=LM_HEAD_INITS, default=d.lm_head_init,
+                   help="random (SpecForge) or the target's lm_head rows (needs draft hidden == target hidden)")
+    t.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="held-out conversations")
+    t.add_argument("--seed", type=int, default=d.seed, help="draft init and data order")
+    t.add_argument("--log-every", type=int, default=d.log_every, help="progress line every N steps")
+
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N steps "
+                   "(and at every epoch end)")
+    c.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="keep the last K checkpoints")
+    c.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    c.add_argument("--max-failures", type=int, default=d.max_failures,
+                   help="worker failures to recover from automatically (restart from the last checkpoint)")
+    c.add_argument("--run-name", default=d.run_name, help="Ray Train run name (default: train-<output name>)")
+
+    m = p.add_argument_group("tracking")
+    m.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment ('' = no tracking)")
+    m.add_argument("--registered-model-name", default=d.registered_model_name,
+                   help="MLflow registered model for the draft ('' = do not register)")
+
+    s = p.add_argument_group("streaming (with --corpus: the extraction options of jobs/extract.py)")
+    s.add_argument("--limit", type=int, default=e.limit, help="read at most this many corpus rows")
+    s.add_argument("--max-length", type=int, default=e.max_length, help="truncate conversations to this many tokens")
+    s.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=e.regenerate,
+                   help="rewrite assistant turns with the target before extracting")
+    s.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens, help="regeneration: tokens per reply")
+    s.add_argument("--temperature", type=float, default=e.temperature, help="regeneration temperature")
+    s.add_argument("--aux-layer-ids", type=_layer_ids, default=e.aux_layer_ids, help="three output_hidden_states "
+                   "indices (default: [2, N//2, N-3])")
+    s.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target compute dtype")
+    s.add_argument("--extract-workers", type=int, default=e.num_workers, help="target actors per stage")
+    s.add_argument("--gpus-per-extract-worker", type=float, default=e.gpus_per_worker, help="GPUs per target actor")
+    s.add_argument("--cpus-per-extract-worker", type=float, default=e.cpus_per_worker, help="CPUs per target actor")
+    s.add_argument("--extract-tokens-per-batch", type=int, default=e.tokens_per_batch,
+                   help="padded tokens per target forward")
+    s.add_argument("--rows-per-shard", type=int, default=e.rows_per_shard, help="conversations per stream block")
+    s.add_argument("--regen-batch-size", type=int, default=e.regen_batch_size, help="conversations per generate call")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    return p
+
+
+def _layer_ids(text: str) -> list[int]:
+    from jobs.extract import parse_layer_ids  # one parser for both jobs
+
+    return parse_layer_ids(text)
+
+
+def config_from_args(args: dict) -> TrainJobConfig:
+    extract = {STREAM_OPTIONS[k]: args.pop(k) for k in list(STREAM_OPTIONS)}
+    args["mlflow_experiment"] = args["mlflow_experiment"] or None
+    args["registered_model_name"] = args["registered_model_name"] or None
+    if args["features"] is None and args["corpus"] is None:
+        raise SystemExit("train.py: give --features (an extraction output) or --corpus (streaming)")
+    return TrainJobConfig(**args, extract=extract if args["corpus"] is not None else {})
+
+
+def main(argv=None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    address = args.pop("address")
+    config = config_from_args(args)
+    from pipelines.cluster import connect
+
+    connect(address)
+    summary = run_train(config)
+    keys = ["step", "total_steps", "restored_from", "metrics", "mlflow_run_id", "registered_model", "model_version",
+            "draft", "draft_speculators", "seconds"]
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=1, default=str))
+    print(f"[train] draft in {summary['draft']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Ray Train TTT job on a local cluster with the tiny target: data-parallel equivalence, determinism, resume after
+a kill, and the MLflow run (params, per-step metrics, exported draft, registry version)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipelines.extract import ExtractConfig, run_extract
+from pipelines.train import TrainJobConfig, pack_batches, plan_steps, run_train, split_heldout
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS_COMPARED = ("loss", "acc_0")
+
+
+def write_corpus(path: Path, n: int = 16) -> Path:
+    rows = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"Question {i}: what is {i} plus {i + 1}? Please explain."},
+                 {"from": "gpt", "value": f"{i} plus {i + 1} is {2 * i + 1}, because adding one more gives it."}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": "And times two?"}, {"from": "gpt", "value": f"That is {4 * i + 2}."}]
+        rows.append(json.dumps({"id": f"conv{i}", "conversations": turns}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """MLflow store for this module (EAGLE3_WORK); restored afterwards."""
+    folder = tmp_path_factory.mktemp("train-work")
+    old = os.environ.get("EAGLE3_WORK")
+    os.environ["EAGLE3_WORK"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("EAGLE3_WORK", None)
+    else:
+        os.environ["EAGLE3_WORK"] = old
+
+
+@pytest.fixture(scope="module")
+def features(ray_cluster, work, tmp_path_factory, tiny_target_dir):
+    """Features of 16 short conversations from the tiny target (4 shards, logged to MLflow for lineage)."""
+    folder = tmp_path_factory.mktemp("train-features")
+    config = ExtractConfig(corpus=str(write_corpus(folder / "corpus.jsonl")), output=str(folder / "features"),
+                           target=str(tiny_target_dir), regenerate=False, rows_per_shard=4, cpus_per_worker=0.5,
+                           max_length=64, mlflow_experiment="test-extract")
+    run_extract(config)
+    return config.output
+
+
+def job(features, output, **overrides) -> TrainJobConfig:
+    cfg = dict(features=features, output=str(output), epochs=2, lr=3e-3, warmup_steps=2, tokens_per_batch=160,
+               ttt_steps=3, draft_vocab_size=256, eval_fraction=0.2, checkpoint_every=3, keep_checkpoints=2,
+               cpus_per_worker=0.5, mlflow_experiment="test-train", registered_model_name="test-draft", log_every=100)
+    cfg.update(overrides)
+    return TrainJobConfig(**cfg)
+
+
+def history(run_id: str, key: str) -> list[float]:
+    from pipelines import tracking
+
+    client = tracking.configure().tracking.MlflowClient()
+    points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    by_step = {m.step: m.value for m in points}  # a step logged twice (replayed after a restore) keeps the last
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def weights(summary: dict) -> dict:
+    return load_file(str(Path(summary["draft"]) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def clean(features, tmp_path_factory):
+    """An uninterrupted single-worker run: the reference for every comparison below."""
+    return run_train(job(features, tmp_path_factory.mktemp("clean")))
+
+
+def test_plan_is_independent_of_world_size():
+    # The global batches (and so the trajectory) may not depend on W; only their split over ranks does.
+    rows = [{"id": f"c{i}", "file": f"f{i // 4}", "row": i % 4, "length": 10 + 7 * (i % 5)} for i in range(23)]
+    train, held = split_heldout(rows, 0.2)
+    assert len(held) == 5 and {r["id"] for r in train}.isdisjoint(r["id"] for r in held)
+    batches = pack_batches(train, 60)
+    for world in (1, 2, 3):
+        per_rank = plan_steps(batches, world)
+        for step, batch in enumerate(batches):
+            got = sorted((e["file"], e["row"]) for entries in per_rank for e in entries if e["step"] == step)
+            assert got == sorted((r["file"], r["row"]) for r in batch)
+
+
+def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_path):
+    two = run_train(job(features, tmp_path / "two", num_workers=2))
+    assert two["total_steps"] == clean["total_steps"] >= 8
+    for key in STEPS_COMPARED:
+        one_curve, two_curve = history(clean["mlflow_run_id"], key), history(two["mlflow_run_id"], key)
+        assert len(one_curve) == len(two_curve) == clean["total_steps"]
+        assert torch.allclose(torch.tensor(two_curve), torch.tensor(one_curve), rtol=1e-4, atol=1e-5), key
+    # the curve must actually move, or the comparison above proves nothing
+    loss = history(clean["mlflow_run_id"], "loss")
+    assert loss[-1] < 0.8 * loss[0]
+    a, b = weights(clean), weights(two)
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
+
+
+def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path):
+    """SIGKILL the worker after its step-4 checkpoint... no: after step 4 (checkpoint at 3); rerun with --resume."""
+    from jobs.train import main
+
+    output = tmp_path / "killed"
+    with pytest.raises(Exception):  # the worker dies and max_failures=0: the run fails
+        run_train(job(features, output, fault_at_step=4))
+    argv = ["--features", features, "--output", str(output), "--resume", "--epochs", "2", "--lr", "3e-3",
+            "--warmup-steps", "2", "--tokens-per-batch", "160", "--ttt-steps", "3", "--draft-vocab-size", "256",
+            "--eval-fraction", "0.2", "--checkpoint-every", "3", "--cpus-per-worker", "0.5",
+            "--mlflow-experiment", "test-train", "--registered-model-name", "test-draft"]
+    assert main(argv) == 0
+    resumed = json.loads((output / "summary.json").read_text())
+    assert resumed["restored_from"] == [3]
+    assert resumed["step"] == clean["step"]
+    # Deterministic given the seed: the killed run's first steps, computed from scratch, match bit for bit,
+    # and after resuming from its checkpoint the final draft equals the uninterrupted one exactly.
+    assert history(resumed["mlflow_run_id"], "loss") == history(clean["mlflow_run_id"], "loss")
+    a, b = weights(clean), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, tiny_target_dir):
+    from eagle_core.checkpoint import load_draft
+    from eagle_core.target import load_target
+    from pipelines import tracking
+    from pipelines.extract import load_manifest
+
+    mlflow = tracking.configure()
+    client = mlflow.tracking.MlflowClient()
+    run = client.get_run(clean["mlflow_run_id"])
+    manifest = load_manifest(features)
+    params = run.data.params
+    assert params["features_mlflow_run_id"] == manifest["mlflow_run_id"]
+    assert len(params["features_manifest_sha256"]) == 64
+    assert params["lr"] == "0.003" and params["ttt_steps"] == "3" and params["num_workers"] == "1"
+    for key in ["loss", "loss_2", "acc_0", "acc_2", "lr", "tokens_per_s", "accept_length"]:
+        assert len(client.get_metric_history(run.info.run_id, key)) == clean["total_steps"], key
+    assert len(client.get_metric_history(run.info.run_id, "eval_acc_0")) == 2  # one per epoch
+    artifacts = {a.path for folder in ("draft", "draft-speculators", "plots")
+                 for a in client.list_artifacts(run.info.run_id, folder)}
+    assert {"draft/model.safetensors", "draft/config.json", "draft-speculators/model.safetensors",
+            "plots/loss_curves.png", "plots/acceptance_per_position.png"} <= artifacts
+    version = client.get_model_version_by_alias("test-draft", "candidate")
+    assert version.run_id == run.info.run_id and int(version.version) == clean["model_version"]
+    # The registered artifact is a draft the tiny target accepts (aux layers, sizes, vocab checked on load).
+    folder = mlflow.artifacts.download_artifacts(f"{version.source}")
+    model, _ = load_target(str(tiny_target_dir), device="cpu", dtype="float32")
+    draft = load_draft(folder, target=model)
+    assert draft.config.draft_vocab_size == 256 and draft.config.extra["features_mlflow_run_id"] == manifest[
+        "mlflow_run_id"]
