@@ -222,3 +222,28 @@ def test_resumed_training_equals_uninterrupted(tiny_target, tmp_path):
     assert len(history) == 3
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target):
+    """Train == serve: TTT step k at column t is what the draft computes when it drafts k tokens past t.
+
+    Serving runs `draft.forward` with a KV cache: the real features up to t, then each drafted token fed
+    its own previous output at the next position. TTT must produce exactly those logits.
+    """
+    batch = _batch(tiny_target, "none")
+    draft = _draft(tiny_target).eval()
+    head = tiny_target.get_output_embeddings().weight
+    steps, t = 4, 5
+    with torch.no_grad():
+        out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+                          head, ttt_steps=steps, return_logits=True)
+        ids = batch["input_ids"]
+        pos = torch.arange(t + 1).expand(B, -1)
+        # context: feature of position p paired with token p+1, for p = 0..t
+        hidden, past = draft(draft.fuse(batch["aux_hidden"][:, :t + 1]), ids[:, 1:t + 2], pos)
+        hidden = hidden[:, -1:]
+        for k in range(steps):
+            torch.testing.assert_close(draft.compute_logits(hidden)[:, 0], out.logits[k][:, t], rtol=1e-4, atol=1e-5)
+            # depth k+1 sits at position t+k+1 and is fed token x[t+k+2] (teacher forcing, as in TTT)
+            hidden, new = draft(hidden, ids[:, t + k + 2:t + k + 3], torch.full((B, 1), t + k + 1), past_kv=past)
+            past = tuple(torch.cat(p, dim=2) for p in zip(past, new))
