@@ -83,21 +83,25 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
         base_cuda = torch.cuda.memory_allocated()
     for _ in range(warmup):  # allocator, AdamW state, CUDA kernels
         step()
-    times = []
+    times, cpu_times = [], []
     for _ in range(iters):
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        # CPU seconds of this process (all threads): what a step costs, whatever else the machine runs.
+        cpu_times.append(time.process_time() - c0)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {
         "impl": impl, "seq_len": length, "ttt_steps": cfg.ttt_steps, "iters": iters, "warmup": warmup,
         "load_avg_1min_after": os.getloadavg()[0],
         "step_seconds": min(times), "step_seconds_all": times,
+        "step_cpu_seconds": min(cpu_times), "threads": torch.get_num_threads(),
         "tokens_per_s": length / min(times),
+        "tokens_per_cpu_s": length / min(cpu_times),
         "peak_mem_bytes": (torch.cuda.max_memory_allocated() - base_cuda) if device == "cuda"
         else peak_rss - base_rss,
         "peak_rss_bytes": peak_rss,
@@ -122,23 +126,29 @@ def run_child(impl: str, length: int, args) -> dict:
 
 
 def bench_speed(args, out_path):
-    lengths, device = args.lengths, args.device
-    rows = []
-    for length in lengths:
-        for impl in ("ours", "naive"):
+    device = args.device
+    # Runs at other lengths already in the file are kept (`--lengths 2048` can be added to a file later).
+    previous = json.loads(Path(out_path).read_text())["runs"] if Path(out_path).is_file() else []
+    rows = [r for r in previous if (r["seq_len"], r["impl"]) not in
+            {(n, i) for n in args.lengths for i in args.impls}]
+    for length in args.lengths:
+        for impl in args.impls:
             row = run_child(impl, length, args)
+            row["command"] = "python jobs/bench_ttt.py " + " ".join(sys.argv[1:])
             rows.append(row)
             print(json.dumps(row), flush=True)
+    lengths = sorted({r["seq_len"] for r in rows})
     ratios = []
     for length in lengths:
-        ours = next(r for r in rows if r["seq_len"] == length and r["impl"] == "ours")
-        naive = next(r for r in rows if r["seq_len"] == length and r["impl"] == "naive")
+        ours = next((r for r in rows if r["seq_len"] == length and r["impl"] == "ours"), {"error": "not run"})
+        naive = next((r for r in rows if r["seq_len"] == length and r["impl"] == "naive"), {"error": "not run"})
         if "error" in ours or "error" in naive:
             ratios.append({"seq_len": length, "note": "one side failed; see runs"})
             continue
         ratios.append({
             "seq_len": length,
-            "speedup_ours_over_naive": naive["step_seconds"] / ours["step_seconds"],
+            "speedup_ours_over_naive_cpu_time": naive["step_cpu_seconds"] / ours["step_cpu_seconds"],
+            "speedup_ours_over_naive_wall": naive["step_seconds"] / ours["step_seconds"],
             "peak_mem_ratio_ours_over_naive": ours["peak_mem_bytes"] / naive["peak_mem_bytes"],
             "ours_tokens_per_s": ours["tokens_per_s"], "naive_tokens_per_s": naive["tokens_per_s"],
             "ours_peak_mem_mib": ours["peak_mem_bytes"] / 2**20, "naive_peak_mem_mib": naive["peak_mem_bytes"] / 2**20,
@@ -149,8 +159,10 @@ def bench_speed(args, out_path):
         "device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "load_avg_1min_at_end": os.getloadavg()[0],
-        "note": "the machine is shared: compare the ratios, and read absolute numbers with the load average",
-        "command": "python jobs/bench_ttt.py " + " ".join(sys.argv[1:]),
+        "note": "the machine is shared (other engineers' tests ran meanwhile): the speed ratio is taken on "
+                "process CPU seconds, which contention inflates far less than wall time; read wall-clock "
+                "numbers with the load averages recorded per run",
+        "command": "python jobs/bench_ttt.py  (per-length commands are kept in each run)",
         "peak_memory": "CPU: peak RSS minus RSS before the first step (includes allocator slack); "
                        "CUDA: torch.cuda.max_memory_allocated minus the allocation before the first step",
         "summary": ratios, "runs": rows,
@@ -206,7 +218,7 @@ def evaluate(draft, batches, head, ttt_steps):
 
 
 def bench_lm_head_init(steps: int, out_path, n_train: int, n_eval: int, max_length: int, ttt_steps: int,
-                       draft_vocab_size: int):
+                       draft_vocab_size: int, only: list[str] | None = None):
     from eagle_core.target import load_target
     from eagle_core.ttt import simulated_accept_length, train_draft_steps, with_targets
     from eagle_core.vocab import TokenCounter, build_vocab_mapping
@@ -228,8 +240,11 @@ def bench_lm_head_init(steps: int, out_path, n_train: int, n_eval: int, max_leng
         "target_frozen": dict(lm_head_init="target", freeze_lm_head=True),
         "target_trainable": dict(lm_head_init="target", freeze_lm_head=False),
     }
-    results = {}
+    # Variants already in the file are kept, so they can be measured one invocation at a time.
+    results = json.loads(Path(out_path).read_text())["variants"] if Path(out_path).is_file() else {}
     for name, kw in variants.items():
+        if only and name not in only:
+            continue
         torch.manual_seed(0)
         draft = Eagle3Draft.from_target(model, draft_vocab_size=draft_vocab_size, d2t=d2t, t2d=t2d,
                                         ttt_steps=ttt_steps, **kw)
@@ -267,11 +282,12 @@ def write_json(path, data):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--impls", nargs="+", default=["ours", "naive"], choices=list(IMPLS))
     p.add_argument("--iters", type=int, default=1, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 on CUDA, 0 on CPU)")
     p.add_argument("--device", default=default_device())
     p.add_argument("--mem-limit-gib", type=float, default=12.0, help="per-run memory cap on CPU (0 = none)")
-    p.add_argument("--timeout", type=float, default=240, help="seconds per (implementation, length) run")
+    p.add_argument("--timeout", type=float, default=420, help="seconds per (implementation, length) run")
     p.add_argument("--out", default=None)
     p.add_argument("--lm-head-init", action="store_true", help="compare lm_head initialisations instead")
     p.add_argument("--steps", type=int, default=200)
@@ -280,6 +296,8 @@ def main(argv=None):
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--ttt-steps", type=int, default=2)
     p.add_argument("--draft-vocab-size", type=int, default=512)
+    p.add_argument("--variants", nargs="+", default=None,
+                   choices=["random", "target_frozen", "target_trainable"], help="lm_head inits to run (default: all)")
     p.add_argument("--child", nargs=2, metavar=("IMPL", "LENGTH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warmup is None:
@@ -290,7 +308,7 @@ def main(argv=None):
         return
     if args.lm_head_init:
         bench_lm_head_init(args.steps, args.out or ROOT / "bench/results/lm_head_init.json", args.n_train,
-                           args.n_eval, args.max_length, args.ttt_steps, args.draft_vocab_size)
+                           args.n_eval, args.max_length, args.ttt_steps, args.draft_vocab_size, args.variants)
         return
     bench_speed(args, args.out or ROOT / "bench/results/ttt.json")
 
