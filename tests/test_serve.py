@@ -206,8 +206,11 @@ def test_overload_answers_503_fast_and_recovers(live):
     assert set(codes) <= {200, 503}
     assert codes.count(503) > 0 and codes.count(200) > 0
     for r in responses:
-        if r.status_code == 503:
-            assert r.json()["error"]["message"]
+        if r.status_code == 503:  # the engine's OpenAI body, or Serve's router when its own queue is full
+            if r.headers["content-type"].startswith("application/json"):
+                assert r.json()["error"]["message"]
+            else:
+                assert "backpressure" in r.text
     with live.client() as c:
         assert c.get("/health").json()["status"] == "ok"
         assert complete(c, prompt="after the storm", max_tokens=4)["usage"]["completion_tokens"] >= 1

@@ -78,6 +78,8 @@ class DeploymentOptions:
     num_cpus: float = 1.0
     num_gpus: float | None = None  # None = 1 when the cluster has GPUs, else 0
     max_ongoing_requests: int = 64  # above the engine's capacity, so the engine's own 503 answers first
-    max_queued_requests: int = 16  # the router's queue; beyond it Serve answers 503 itself
+    # The router's queue (requests not yet handed to a replica); beyond it Serve answers 503 itself, with
+    # a plain-text body. Deep enough that normally the engine's OpenAI-format 503 answers first.
+    max_queued_requests: int = 64
     autoscaling_config: dict | None = field(default=None)
     pythonpath: str | None = None  # added to the replicas' PYTHONPATH (they don't see the driver's)
