@@ -117,18 +117,19 @@ def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, 
     random draws), so conditioning on the path so far, the next token is again distributed exactly as the
     target's p(. | context); by induction over the path every emitted sequence has the target's law.
 
-    The disputed shortcut of the reference implementation (EAGLE issue #329) is that q = 1: with
-    deterministic top-k children that *is* the point-mass proposal above and is lossless, provided the
-    residual step removes the rejected tokens. Using the draft's probabilities as q would not be lossless:
-    min(1, p/q) assumes the candidate was *sampled* from q, which top-k selection is not. The acceptance
-    here is also the best any lossless rule can do for a fixed tree: it emits a child exactly when a
-    p-distributed token falls among the children, P = s_m.
+    The reference implementation's shortcut (q = 1 for a top-k child, disputed in its issue tracker,
+    e.g. #329) is exactly this point-mass proposal, and it is lossless *provided* the children are a
+    function of the context and every rejected sibling is removed before the next try and before the
+    correction draw. Plugging the draft's probabilities in as q would not be lossless: min(1, p/q) assumes
+    the candidate was *sampled* from q, which top-k selection is not. The acceptance here is also the
+    best any lossless rule can do for a fixed tree: it emits a child exactly when a p-distributed token
+    falls among the children, P = s_m.
     """
     probs = target_probs(logits, sampling)  # [B, N, V]
     b, n = tree.tokens.shape
     # p(t_i) for every node i under its parent's distribution: [B, N]
-    p_node = probs.gather(1, tree.parents[:, :, None].expand(b, n, probs.shape[-1]))
-    p_node = p_node.gather(2, tree.tokens[:, :, None])[:, :, 0].cpu().tolist()
+    vocab = probs.shape[-1]
+    p_node = probs.reshape(b, n * vocab).gather(1, tree.parents * vocab + tree.tokens).cpu().tolist()
     parents = tree.parents.cpu().tolist()
     last = torch.empty(b, dtype=torch.long)
     bonus = torch.empty(b, dtype=torch.long)

@@ -113,7 +113,8 @@ def markdown(summary: list[dict], meta: dict) -> str:
              f"`{meta['command']}`", "",
              f"{meta['prompts']} MT-bench questions (turn 1, chat template), greedy, max_new_tokens "
              f"{meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
-             f"Tree: {meta['tree']} (auto-tuned), chain: {meta['chain']}.", "",
+             f"Tree: {meta['tree']}{' (auto-tuned)' if meta['autotuned'] else ''}, chain: {meta['chain']}. "
+             f"{meta['note']}.", "",
              "| method | tau | tokens/s | vs HF greedy | vs our plain loop | GB/s | identical to HF greedy |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
@@ -208,10 +209,11 @@ def main(argv=None):
                 else torch.cuda.get_device_name(),
                 command="python jobs/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 prompts=len(prompts), question_ids=[questions[i]["question_id"] for i in chosen],
-                max_new_tokens=args.max_new_tokens, tree=str(tree), chain=str(chain),
+                max_new_tokens=args.max_new_tokens, tree=str(tree), chain=str(chain), autotuned=tuned is not None,
                 target_weight_bytes=target_bytes, draft_step_bytes=dstep,
                 wall_seconds=round(time.perf_counter() - t_start),
-                note="timings on a shared 2-core machine are noisy; methods are interleaved per prompt")
+                note=f"Wall time {round(time.perf_counter() - t_start)} s; timings on a shared machine are noisy, "
+                     f"which is why methods are interleaved per prompt")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(meta=meta, summary=summary, autotune=tuned.to_dict() if tuned else None,

@@ -80,11 +80,14 @@ def main(argv=None):
     cfg = TrainConfig(lr=args.lr, warmup_steps=args.steps // 10, total_steps=args.steps, ttt_steps=args.ttt_steps)
     head = model.get_output_embeddings().weight
 
+    stop_file = Path(args.out + ".STOP")  # touch it to end training early (the draft is still saved)
+
     def log(step, metrics):
         if step % 25 == 0 or step == args.steps:
             accs = [round(metrics[f"acc_{k}"], 3) for k in range(args.ttt_steps) if f"acc_{k}" in metrics]
             print(f"[quick_draft] step {step} loss {metrics['loss']:.3f} acc {accs} "
                   f"accept_length~{metrics.get('accept_length', 0):.2f} ({time.perf_counter() - t1:.0f}s)", flush=True)
+        return stop_file.exists()
 
     t1 = time.perf_counter()
     history = train_draft_steps(draft, batches, head, cfg, on_step=log)
