@@ -113,8 +113,11 @@ def run_child(impl: str, length: int, args) -> dict:
     cmd = [sys.executable, __file__, "--child", impl, str(length), "--iters", str(args.iters), "--device",
            args.device, "--warmup", str(args.warmup), "--mem-limit-gib", str(args.mem_limit_gib)]
     timeout = args.timeout
+    # OpenMP threads spin while waiting by default; on a shared, oversubscribed CPU that spinning costs
+    # 50-80x on small ops and is billed as CPU time, so neither wall nor CPU seconds would mean anything.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"impl": impl, "seq_len": length, "error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
