@@ -4,7 +4,7 @@
 leave while others decode, so this engine owns the loop instead and reuses the generator's steps as they
 are: `prefill` + `draft_extend` for newly admitted requests, `speculative_decode` (tree or chain) or a
 plain step for the running batch, and the ragged caches of `eagle_core.kv`, whose rows are independent:
-admitting a request is a row concatenation (`merge_rows_`), finishing one is `select_rows_`.
+admitting a request is a row concatenation (`merge_target_kv_`), finishing one is `select_rows_`.
 
 One thread runs the loop and owns every tensor. Requests with the same sampling settings share a `Lane`
 (one batch, one forward per round); different settings decode in separate lanes, one round each in turn,
@@ -289,6 +289,7 @@ class Engine:
         self.eos = {eos} if eos is not None else set()
         self.lanes: dict[tuple, Lane] = {}
         self.waiting: deque[GenerationRequest] = deque()
+        self.admitting = 0  # taken from `waiting`, being prefilled: still counts against the capacity
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="spec-decode-engine", daemon=True)
@@ -299,15 +300,18 @@ class Engine:
     def capacity(self) -> int:
         return self.config.max_batch_size + self.config.max_waiting
 
+    def _active(self) -> int:
+        return self.admitting + sum(len(lane.rows) for lane in self.lanes.values())
+
     def load(self) -> tuple[int, int]:
         """(decoding rows, waiting requests)."""
         with self.cond:
-            return sum(len(lane.rows) for lane in self.lanes.values()), len(self.waiting)
+            return self._active(), len(self.waiting)
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request, or raise Overloaded at once when the engine is full."""
         with self.cond:
-            active = sum(len(lane.rows) for lane in self.lanes.values())
+            active = self._active()
             if self.stopped or active + len(self.waiting) >= self.capacity:
                 raise Overloaded(f"{active} requests decoding and {len(self.waiting)} waiting")
             self.waiting.append(request)
@@ -327,11 +331,12 @@ class Engine:
                 if admitted is None:
                     return
                 self._admit(admitted)
-                for key in list(self.lanes):
-                    self._guarded(self.lanes[key].rows, lambda: self._round(self.lanes[key]))
-                    self.lanes[key].drop_finished_()
-                    if not self.lanes[key].rows:
-                        del self.lanes[key]
+                for key, lane in list(self.lanes.items()):
+                    self._guarded(lane.rows, lambda: self._round(lane))
+                    lane.drop_finished_()
+                    if not lane.rows:
+                        with self.cond:
+                            del self.lanes[key]
 
     def _wait_and_take(self) -> list[GenerationRequest] | None:
         with self.cond:
@@ -339,13 +344,13 @@ class Engine:
                 self.cond.wait()
             if self.stopped:
                 return None
-            active = sum(len(lane.rows) for lane in self.lanes.values())
-            room = self.config.max_batch_size - active
+            room = self.config.max_batch_size - self._active()
             taken = []
             while self.waiting and len(taken) < room:
                 req = self.waiting.popleft()
                 if not req.cancelled:
                     taken.append(req)
+            self.admitting = len(taken)
             return taken
 
     def _guarded(self, rows: list[_Row], step: Callable[[], None]) -> None:
@@ -366,6 +371,8 @@ class Engine:
         for key, group in groups.items():
             rows = [_Row(r, self.eos, self.tokenizer, self.config.tree.depth if self.draft else 0) for r in group]
             self._guarded(rows, lambda: self._prefill_group(key, group, rows))
+            with self.cond:
+                self.admitting -= len(group)
 
     def _prefill_group(self, key, group: list[GenerationRequest], rows: list[_Row]) -> None:
         t0 = _clock(self.device)
