@@ -84,3 +84,31 @@ def test_schedule_submits_the_retrain_rayjob():
     assert container["command"][:2] == ["kubectl", "create"]
     rules = docs["Role"]["rules"][0]
     assert "rayjobs" in rules["resources"] and "create" in rules["verbs"]
+
+
+def test_rayservice_deploys_the_serve_yaml_applications():
+    serve = documents(INFRA / "serve.yaml")[0]
+    service = documents(INFRA / "rayservice.yaml")[0]
+    deployed = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ours, theirs = serve["applications"], deployed["applications"]
+    assert len(ours) == len(theirs) == 1
+    for key in ("name", "route_prefix", "import_path"):
+        assert ours[0][key] == theirs[0][key]
+    differing = {k for k in set(ours[0]["args"]) | set(theirs[0]["args"])
+                 if ours[0]["args"].get(k) != theirs[0]["args"].get(k)}
+    assert differing <= {"draft"}  # the cluster serves the registry's champion
+    assert theirs[0]["args"]["draft"] == "models:/eagle3-draft@champion"
+    assert serve["http_options"]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("config", ["serve.yaml", "rayservice.yaml"])
+def test_serve_config_imports_and_builds_the_app(config):
+    """The import path resolves and the builder accepts every arg (it refuses unknown keys)."""
+    from ray.serve import Application
+
+    doc = documents(INFRA / config)[0]
+    apps = (yaml.safe_load(doc["spec"]["serveConfigV2"]) if config == "rayservice.yaml" else doc)["applications"]
+    for app in apps:
+        module, attr = app["import_path"].split(":")
+        builder = getattr(importlib.import_module(module), attr)
+        assert isinstance(builder(dict(app["args"])), Application)
