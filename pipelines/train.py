@@ -418,7 +418,8 @@ def wrap_objective(objective: TTTObjective, strategy: str, world: int, device):
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(objective.draft.midlayer)
+        # One FSDP unit: the draft's submodules are called from ttt_forward, never through their own forward,
+        # so only the root's forward hook is sure to gather the parameters (one decoder layer: little to overlap).
         return fully_shard(objective)
     from torch.nn.parallel import DistributedDataParallel
 

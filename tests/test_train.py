@@ -42,11 +42,29 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def features(ray_cluster, work, tmp_path_factory, tiny_target_dir):
+def peaked_target_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama whose next-token distribution is peaked (lm_head scaled up).
+
+    A plain random tiny model predicts near-uniformly, so the TTT loss sits at its entropy floor from the
+    first step and a wrong trajectory would look like a right one; a peaked target leaves a lot to learn.
+    """
+    from eagle_core.target import make_tiny_llama
+
+    folder = tmp_path_factory.mktemp("peaked-target")
+    model = make_tiny_llama(vocab_size=len(smollm2_tokenizer), num_hidden_layers=4, seed=5, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def features(ray_cluster, work, tmp_path_factory, peaked_target_dir):
     """Features of 16 short conversations from the tiny target (4 shards, logged to MLflow for lineage)."""
     folder = tmp_path_factory.mktemp("train-features")
     config = ExtractConfig(corpus=str(write_corpus(folder / "corpus.jsonl")), output=str(folder / "features"),
-                           target=str(tiny_target_dir), regenerate=False, rows_per_shard=4, cpus_per_worker=0.5,
+                           target=str(peaked_target_dir), regenerate=False, rows_per_shard=4, cpus_per_worker=0.5,
                            max_length=64, mlflow_experiment="test-extract")
     run_extract(config)
     return config.output
@@ -108,7 +126,7 @@ def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_pa
 
 
 def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path):
-    """SIGKILL the worker after its step-4 checkpoint... no: after step 4 (checkpoint at 3); rerun with --resume."""
+    """SIGKILL the worker after step 4 (its last checkpoint is step 3), then rerun the CLI with --resume."""
     from jobs.train import main
 
     output = tmp_path / "killed"
@@ -129,7 +147,7 @@ def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, tiny_target_dir):
+def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peaked_target_dir):
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import load_target
     from pipelines import tracking
@@ -145,16 +163,79 @@ def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, tiny
     assert params["lr"] == "0.003" and params["ttt_steps"] == "3" and params["num_workers"] == "1"
     for key in ["loss", "loss_2", "acc_0", "acc_2", "lr", "tokens_per_s", "accept_length"]:
         assert len(client.get_metric_history(run.info.run_id, key)) == clean["total_steps"], key
-    assert len(client.get_metric_history(run.info.run_id, "eval_acc_0")) == 2  # one per epoch
+    assert len(client.get_metric_history(run.info.run_id, "eval_acc_0")) == 3  # untrained, then every epoch
     artifacts = {a.path for folder in ("draft", "draft-speculators", "plots")
                  for a in client.list_artifacts(run.info.run_id, folder)}
     assert {"draft/model.safetensors", "draft/config.json", "draft-speculators/model.safetensors",
             "plots/loss_curves.png", "plots/acceptance_per_position.png"} <= artifacts
-    version = client.get_model_version_by_alias("test-draft", "candidate")
-    assert version.run_id == run.info.run_id and int(version.version) == clean["model_version"]
+    version = client.get_model_version("test-draft", str(clean["model_version"]))
+    assert version.run_id == run.info.run_id
+    # every run registers a new version and moves the alias to it: it names the newest one
+    newest = max(int(v.version) for v in client.search_model_versions("name='test-draft'"))
+    assert int(client.get_model_version_by_alias("test-draft", "candidate").version) == newest
     # The registered artifact is a draft the tiny target accepts (aux layers, sizes, vocab checked on load).
     folder = mlflow.artifacts.download_artifacts(f"{version.source}")
-    model, _ = load_target(str(tiny_target_dir), device="cpu", dtype="float32")
+    model, _ = load_target(str(peaked_target_dir), device="cpu", dtype="float32")
     draft = load_draft(folder, target=model)
     assert draft.config.draft_vocab_size == 256 and draft.config.extra["features_mlflow_run_id"] == manifest[
         "mlflow_run_id"]
+
+
+def _fsdp_rank(rank: int, world: int, out: str) -> None:
+    """One process of the FSDP check: 5 train_steps on its share of a fixed global batch."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from eagle_core.draft import Eagle3Draft
+    from eagle_core.target import make_tiny_llama
+    from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, with_targets
+    from pipelines.train import TTTObjective, all_reduce, full_state, step_counts, wrap_objective
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    target = make_tiny_llama()
+    torch.manual_seed(0)
+    draft = Eagle3Draft.from_target(target, draft_vocab_size=128, ttt_steps=2)
+    objective = wrap_objective(TTTObjective(draft, autocast=False), "fsdp", world, torch.device("cpu"))
+    cfg = TrainConfig(lr=1e-2, total_steps=5, ttt_steps=2)
+    optimizer = make_optimizer(draft, cfg)
+    scheduler = make_scheduler(optimizer, cfg)
+    g = torch.Generator().manual_seed(1)
+    B, L = 4, 12
+    full = dict(input_ids=torch.randint(0, 512, (B, L), generator=g), loss_mask=(torch.rand(B, L, generator=g) > 0.3).long(),
+                attention_mask=torch.ones(B, L, dtype=torch.long), aux_hidden=torch.randn(B, L, 192, generator=g),
+                last_hidden=torch.randn(B, L, 64, generator=g))
+    head = target.lm_head.weight
+    losses = []
+    for _ in range(5):
+        batch = with_targets({k: v[rank::world] for k, v in full.items()}, head, draft.d2t)
+        batch["step_denominators"] = (all_reduce(step_counts(batch, 2).double()) / world).float()
+        metrics = train_step(draft, batch, head, optimizer, scheduler, cfg, forward=lambda _d, *a, **k: objective(*a, **k))
+        losses.append(float(all_reduce(torch.tensor([metrics["loss"]]))) / world)
+    model, _ = full_state(draft, objective, optimizer, world > 1)
+    if rank == 0:
+        weights = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items() if k not in
+                   ("embed_tokens.weight", "d2t", "t2d")}
+        with open(out, "wb") as f:
+            pickle.dump((losses, weights), f)
+    dist.destroy_process_group()
+
+
+def test_fsdp_over_two_processes_follows_one_process(tmp_path):
+    """FSDP2 (gloo, CPU) on a global batch split in two == one process on all of it; gathered weights agree."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    results = {}
+    for world in (1, 2):
+        out = tmp_path / f"fsdp-{world}.pkl"
+        mp.start_processes(_fsdp_rank, args=(world, str(out)), nprocs=world, start_method="spawn")
+        results[world] = pickle.loads(out.read_bytes())
+    (one_losses, one), (two_losses, two) = results[1], results[2]
+    assert torch.allclose(torch.tensor(one_losses), torch.tensor(two_losses), rtol=1e-5)
+    assert one_losses[-1] < one_losses[0]
+    for name in one:
+        assert torch.allclose(torch.from_numpy(one[name]), torch.from_numpy(two[name]), atol=1e-4), name
