@@ -3,7 +3,7 @@
   python jobs/bench_serve.py                      # SmolLM2 + work/drafts/smollm2-quick, concurrency 1 4 16
   python jobs/bench_serve.py --draft DIR --concurrency 1 4 16 --requests 8 16 32 --max-tokens 48
 
-For each deployment (one at a time, alone on the machine) and each concurrency c: a bounded closed loop
+All deployments are up together; per concurrency c they take turns (back to back), each with a bounded closed loop
 of c clients sends a fixed number of greedy chat requests (MT-bench first turns) to 127.0.0.1 and stops
 after --time-limit seconds per level at the latest. Reports throughput (completion tokens/s, requests/s),
 p50/p99 latency and tau (1 + accepted/draft rounds over all requests), plus the rounds per decoding mode
@@ -116,9 +116,11 @@ def markdown(report: dict) -> str:
                         f"{level['requests_per_s']} | {level['latency_p50_s']} | {level['latency_p99_s']} | "
                         f"{level['tau']} | {modes} |")
     setup = report["setup"]
+    policy = ("by measured tokens/s per batch size (mode_policy=auto)" if setup.get("mode_policy") == "auto" else
+              f"tree while batch <= {setup['tree_max_batch']}, chain while <= {setup['chain_max_batch']}, plain above")
     head = (f"Target `{setup['target']}`, draft `{setup['draft']}`, tree top_k={setup['tree']['top_k']} "
-            f"depth={setup['tree']['depth']} total_tokens={setup['tree']['total_tokens']}, fallback: tree while "
-            f"batch <= {setup['tree_max_batch']}, chain while <= {setup['chain_max_batch']}, plain above; "
+            f"depth={setup['tree']['depth']} total_tokens={setup['tree']['total_tokens']}; `spec` chooses tree / chain / "
+            f"plain per round: {policy}; `spec-tree` / `spec-chain` always verify trees / chains; "
             f"max_tokens={setup['max_tokens']}, greedy chat requests; {setup['machine']}.\n\n"
             f"Command: `{report['command']}`\n\n")
     return head + "\n".join(rows) + "\n"
@@ -137,6 +139,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--total-tokens", type=int, default=32)
+    p.add_argument("--mode-policy", default="auto", choices=["auto", "static"], help="of the `spec` variant")
     p.add_argument("--tree-max-batch", type=int, default=None, help="default: ServeConfig's")
     p.add_argument("--chain-max-batch", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
@@ -162,28 +165,36 @@ def main(argv=None):
     base = dict(target=args.target, model_name="bench", top_k=args.top_k, depth=args.depth,
                 total_tokens=args.total_tokens, max_batch_size=max(args.concurrency), max_waiting=max(args.concurrency),
                 max_tokens_limit=max(args.max_tokens, 16), torch_threads=args.torch_threads, num_cpus=1, num_gpus=None)
-    variants = {"spec": dict(draft=args.draft, tree_max_batch=tree_max, chain_max_batch=chain_max),
-                "spec-tree": dict(draft=args.draft, tree_max_batch=10 ** 6, chain_max_batch=10 ** 6),
-                "spec-chain": dict(draft=args.draft, tree_max_batch=0, chain_max_batch=10 ** 6),
+    static = dict(draft=args.draft, mode_policy="static")
+    variants = {"spec": dict(draft=args.draft, mode_policy=args.mode_policy, tree_max_batch=tree_max,
+                             chain_max_batch=chain_max),
+                "spec-tree": dict(static, tree_max_batch=10 ** 6, chain_max_batch=10 ** 6),
+                "spec-chain": dict(static, tree_max_batch=0, chain_max_batch=10 ** 6),
                 "plain": dict()}
     prompts = load_prompts(max(requests))
     report = dict(command="python jobs/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   setup=dict(target=args.target, draft=args.draft, max_tokens=args.max_tokens,
                              tree=dict(top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens),
-                             tree_max_batch=tree_max, chain_max_batch=chain_max, torch_threads=args.torch_threads,
+                             mode_policy=args.mode_policy, tree_max_batch=tree_max, chain_max_batch=chain_max,
+                             torch_threads=args.torch_threads,
                              machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU"
                              if not _cuda() else f"GPU {_cuda()}"),
                   variants=[])
+    # All deployments up at once (an idle replica costs no CPU); each level runs the variants back to back,
+    # so a shared machine's changing load biases no variant much.
+    urls = {}
     for name in args.variants:
-        url = deploy(name.replace("-", ""), {**base, **variants[name]}, args.port)
-        warm_up(url, 4)
-        levels = []
-        for c, n in zip(args.concurrency, requests):
-            level = asyncio.run(one_level(url, prompts[:n], c, args.max_tokens, args.time_limit))
+        urls[name] = deploy(name.replace("-", ""), {**base, **variants[name]}, args.port)
+        warm_up(urls[name], 4)
+    levels = {name: [] for name in args.variants}
+    for c, n in zip(args.concurrency, requests):
+        for name in args.variants:
+            level = asyncio.run(one_level(urls[name], prompts[:n], c, args.max_tokens, args.time_limit))
             print(f"[bench_serve] {name} c={c}: {json.dumps(level)}", flush=True)
-            levels.append(level)
+            levels[name].append(level)
+    report["variants"] = [dict(name=name, levels=levels[name]) for name in args.variants]
+    for name in args.variants:
         serve.delete(name.replace("-", ""))
-        report["variants"].append(dict(name=name, levels=levels))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

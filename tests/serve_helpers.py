@@ -117,7 +117,7 @@ def live_deployment(tmp_path_factory, tokenizer) -> Live:
     folder = tmp_path_factory.mktemp("echo-draft")
     save_draft(echo_draft(target), folder)
     args = dict(target=str(target_dir), model_name=MODEL, top_k=4, depth=4, total_tokens=12,
-                max_batch_size=4, max_waiting=4, tree_max_batch=1, chain_max_batch=2, max_context=256,
+                max_batch_size=4, max_waiting=4, mode_policy="static", tree_max_batch=1, chain_max_batch=2, max_context=256,
                 max_tokens_limit=64, api_key=API_KEY, torch_threads=1, num_cpus=0.5, num_gpus=0)
     with env(EAGLE3_WORK=str(tmp_path_factory.mktemp("serve-work"))):
         args["draft"] = register_draft(folder, "tiny-echo-draft")

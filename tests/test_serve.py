@@ -14,6 +14,7 @@ import torch
 
 from eagle_core.chat import prompt_ids
 from eagle_core.generate import generate
+from pipelines.serve.engine import ModeChooser
 from serve_helpers import MODEL, live_deployment, sse_events
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4,", "Hello"]
@@ -43,6 +44,24 @@ def complete(client, **body):
     r = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **body})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_mode_chooser_measures_then_keeps_the_fastest_mode():
+    """Auto fallback: every mode is tried per batch-size bucket, then the fastest runs, others re-measured."""
+    chooser = ModeChooser(explore_every=8)
+    speed = {(1, "tree"): 30.0, (1, "chain"): 20.0, (1, "plain"): 10.0,
+             (16, "tree"): 40.0, (16, "chain"): 60.0, (16, "plain"): 90.0}
+    picks = {1: [], 16: []}
+    for _ in range(64):
+        for batch in (1, 12):  # 12 rows fall in the bucket of 16
+            mode = chooser.choose(batch)
+            picks[1 if batch == 1 else 16].append(mode)
+            chooser.record(batch, mode, tokens=int(speed[(ModeChooser.bucket(batch), mode)]), seconds=1.0)
+    for bucket, best in ((1, "tree"), (16, "plain")):
+        assert set(picks[bucket][:3]) == {"tree", "chain", "plain"}  # measured first
+        later = picks[bucket][3:]
+        assert later.count(best) >= 0.8 * len(later)
+        assert len(set(later)) == 3  # the others are still re-measured now and then
 
 
 def test_models_and_health(live):

@@ -26,9 +26,12 @@ class ServeConfig:
     # ---- batching and load fallback (see engine.choose_mode) -----------------------------------------------
     max_batch_size: int = 16  # requests decoded together
     max_waiting: int = 16  # admitted but not decoding yet; a request beyond that gets 503 at once
-    # The speculative deployment verifies full trees while the batch has at most `tree_max_batch` rows,
-    # chains of `depth` tokens up to `chain_max_batch`, and decodes plainly above (a wide tree over many
-    # rows costs more target compute than it saves). Defaults measured by jobs/bench_serve.py on CPU.
+    # Which decoding mode a round uses at batch size B (a wide tree over many rows costs more target
+    # compute than it saves). "auto": the mode with the best measured tokens/s at this batch size
+    # (engine.ModeChooser; re-measured every `explore_every` rounds). "static": full trees while
+    # B <= tree_max_batch, chains of `depth` tokens while B <= chain_max_batch, plain above.
+    mode_policy: str = "auto"
+    explore_every: int = 16
     tree_max_batch: int = 2
     chain_max_batch: int = 4
     # ---- limits ----------------------------------------------------------------------------------------
@@ -42,6 +45,8 @@ class ServeConfig:
 
     def __post_init__(self):
         self.tree  # validates top_k / depth / total_tokens
+        if self.mode_policy not in ("auto", "static"):
+            raise ValueError(f"mode_policy must be 'auto' or 'static', got {self.mode_policy!r}")
         if self.max_batch_size < 1 or self.max_waiting < 0:
             raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:

@@ -10,10 +10,11 @@ One thread runs the loop and owns every tensor. Requests with the same sampling 
 (one batch, one forward per round); different settings decode in separate lanes, one round each in turn,
 because acceptance takes one `SamplingConfig` per batch.
 
-Load fallback: per round, a lane of B rows verifies a full tree when B <= tree_max_batch, a chain of
-`depth` tokens when B <= chain_max_batch, and decodes plainly above. A wide tree costs B * (total_tokens+1)
-tokens of target compute per round, which stops being free once the batch alone fills the hardware (the
-known "speculation slows down at high load" failure). The plain step of a speculative lane still captures
+Load fallback: a wide tree costs B * (total_tokens+1) tokens of target compute per round, which stops
+being free once the batch alone fills the hardware (the known "speculation slows down at high load"
+failure). Per round, a lane of B rows therefore picks tree, chain (`depth` tokens) or plain decoding:
+by default from measurement (`ModeChooser`: the best measured tokens/s at this batch size), or with the
+static thresholds (tree while B <= tree_max_batch, chain while B <= chain_max_batch). The plain step of a speculative lane still captures
 the target's features and extends the draft's cache, so the lane can go back to trees when load drops.
 """
 
@@ -70,12 +71,56 @@ class EngineConfig:
     max_waiting: int = 16
     tree_max_batch: int = 2
     chain_max_batch: int = 4
+    mode_policy: str = "auto"  # "auto": ModeChooser measures; "static": the two thresholds above
+    explore_every: int = 16
 
 
 def choose_mode(batch_rows: int, config: EngineConfig, has_draft: bool) -> str:
+    """The static policy: full trees up to tree_max_batch rows, chains up to chain_max_batch, plain above."""
     if not has_draft or batch_rows > config.chain_max_batch:
         return "plain"
     return "tree" if batch_rows <= config.tree_max_batch else "chain"
+
+
+class ModeChooser:
+    """The auto policy: pick, per batch size, the mode with the best measured throughput.
+
+    Whether a tree pays depends on tau (the draft, the workload) and on how much a B x (total_tokens+1)
+    verification costs over a B-token step (the hardware): tree wins iff tau_tree / t_tree(B) >
+    1 / t_plain(B). Both sides are measured here, per batch-size bucket (powers of two), as an
+    exponential moving average of committed tokens per second of each round. Every mode is tried
+    first; afterwards the best one runs, and one round in `explore_every` re-measures another mode,
+    so a change of load or workload is noticed. Switching costs nothing: every mode is lossless and
+    keeps the caches in the same state.
+    """
+
+    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.25):
+        self.modes, self.explore_every, self.alpha = tuple(modes), explore_every, alpha
+        self.rate: dict[tuple[int, str], float] = {}
+        self.rounds: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_rows: int) -> int:
+        return 1 << (batch_rows - 1).bit_length()
+
+    def choose(self, batch_rows: int) -> str:
+        b = self.bucket(batch_rows)
+        n = self.rounds.get(b, 0)
+        untried = [m for m in self.modes if (b, m) not in self.rate]
+        if untried:
+            return untried[0]
+        best = max(self.modes, key=lambda m: self.rate[(b, m)])
+        if self.explore_every and n % self.explore_every == self.explore_every - 1:
+            others = [m for m in self.modes if m != best]
+            return others[(n // self.explore_every) % len(others)] if others else best
+        return best
+
+    def record(self, batch_rows: int, mode: str, tokens: int, seconds: float) -> None:
+        b = self.bucket(batch_rows)
+        self.rounds[b] = self.rounds.get(b, 0) + 1
+        rate = tokens / max(seconds, 1e-9)
+        old = self.rate.get((b, mode))
+        self.rate[(b, mode)] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
 
 
 # ---- text: incremental detokenisation and stop strings -----------------------------------------------------
@@ -288,6 +333,8 @@ class Engine:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if eos is not None else set()
         self.lanes: dict[tuple, Lane] = {}
+        self.chooser = ModeChooser(MODES if draft is not None else ("plain",), config.explore_every) \
+            if config.mode_policy == "auto" else None
         self.waiting: deque[GenerationRequest] = deque()
         self.admitting = 0  # taken from `waiting`, being prefilled: still counts against the capacity
         self.cond = threading.Condition()
@@ -394,7 +441,10 @@ class Engine:
         if not lane.rows:
             return
         b = len(lane.rows)
-        mode = choose_mode(b, self.config, self.draft is not None)
+        if self.chooser is not None:
+            mode = self.chooser.choose(b)
+        else:
+            mode = choose_mode(b, self.config, self.draft is not None)
         if mode == "plain":
             committed, accept_lengths, draft_s, verify_s = self._plain_round(lane)
         else:
@@ -405,6 +455,8 @@ class Engine:
             accept_lengths = out.accept_length.tolist()
             committed = [toks[: n + 1] for toks, n in zip(out.tokens.tolist(), accept_lengths)]
             draft_s, verify_s = out.draft_s, out.verify_s
+        if self.chooser is not None:
+            self.chooser.record(b, mode, sum(len(t) for t in committed), draft_s + verify_s)
         for row, tokens, n in zip(lane.rows, committed, accept_lengths or [None] * b):
             row.stats.rounds += 1
             row.stats.draft_s += draft_s

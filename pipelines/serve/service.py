@@ -38,7 +38,8 @@ class Service:
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
         self.engine = Engine(models.target, models.tokenizer, models.draft,
                              EngineConfig(config.tree, config.max_batch_size, config.max_waiting,
-                                          config.tree_max_batch, config.chain_max_batch),
+                                          config.tree_max_batch, config.chain_max_batch, config.mode_policy,
+                                          config.explore_every),
                              metrics=self.metrics)
         self.created = P.now()
         log.info("serving %s (draft: %s) with %s", config.served_name, config.draft, config.tree)
