@@ -143,10 +143,6 @@ def promote(name: str, version, new_tau: float, champion_tau: float | None, marg
     return promoted
 
 
-def draft_folder_of(train_result: dict) -> str:
-    return train_result["draft_dir"]
-
-
 # --------------------------------------------------------------------------------------------------
 # The job
 # --------------------------------------------------------------------------------------------------
@@ -161,13 +157,22 @@ def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]) -> dict
 
 
 def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str | None) -> dict:
+    """Train the scale's draft, or return the summary of the one trained by an earlier invocation."""
+    import fsspec
+
     from pipelines.train import TrainJobConfig, run_train
 
-    train = TrainJobConfig(**{**config.train, "features": features, "target": config.target,
-                              "output": _join(config.work, "drafts", f"rows-{rows}"),
-                              "registered_model_name": config.registered_model, "init_from": init_from,
-                              "resume": True})
-    return run_train(train)
+    output = _join(config.work, "drafts", f"rows-{rows}")
+    summary = _join(output, "summary.json")
+    fs, path = fsspec.core.url_to_fs(summary)
+    if fs.exists(path):
+        with fs.open(path, "r") as f:
+            return json.load(f)
+    overrides = {**config.train, "features": features, "target": config.target, "output": output,
+                 "registered_model_name": config.registered_model, "resume": True}
+    if init_from:
+        overrides["init_from"] = init_from
+    return run_train(TrainJobConfig(**overrides))
 
 
 def _plot_scaling(points: list[dict], path: str) -> None:
@@ -189,11 +194,37 @@ def _plot_scaling(points: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, tokenizer, prompts) -> dict:
+    from eagle_core.checkpoint import load_draft
+
+    manifest = _extract_scale(config, rows, earlier)
+    features = _join(config.work, "features", f"rows-{rows}")
+    earlier.append(features)
+    champion = alias_version(config.registered_model, CHAMPION)
+    champion_dir = download_version(config.registered_model, champion.version) if champion else None
+    trained = _train_scale(config, rows, features, champion_dir if config.warm_start else None)
+    version = trained["model_version"]
+    new = evaluate_draft(target, tokenizer, load_draft(trained["draft"], target=target), prompts, config)
+    champion_eval = None
+    if champion is not None and str(champion.version) != str(version):  # a rerun re-evaluates the champion alone
+        champion_eval = evaluate_draft(target, tokenizer, load_draft(champion_dir, target=target), prompts, config)
+    promoted = promote(config.registered_model, version, new["tau"],
+                       champion_eval["tau"] if champion_eval else None, config.margin)
+    return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
+            "tokens_per_s": new["tokens_per_s"], "plain_tokens_per_s": new["plain_tokens_per_s"],
+            "speedup": new["speedup"], "champion_tau": champion_eval["tau"] if champion_eval else None,
+            "reused_shards": len(manifest.get("reused_shards", [])), "shards": len(manifest["shards"]),
+            "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}
+
+
 def run_retrain(config: RetrainConfig) -> dict:
-    """Run every scale in ascending order; returns {"parent_run_id", "scales": [per-scale results]}."""
+    """Run every scale in ascending order; returns {"parent_run_id", "scales": [per-scale results]}.
+
+    Runs are created through the client, not `mlflow.start_run`, so the extraction and training stages can
+    open their own runs while the parent and child runs are open.
+    """
     import tempfile
 
-    from eagle_core.checkpoint import load_draft
     from eagle_core.target import load_target
     from pipelines import tracking
 
@@ -201,46 +232,36 @@ def run_retrain(config: RetrainConfig) -> dict:
     scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
     target, tokenizer = load_target(config.target)
     prompts = load_eval_prompts(config.eval_prompts, config.eval_count)
+    client = _client()
+    experiment_id = tracking.ensure_experiment(config.mlflow_experiment)
+    parent = client.create_run(experiment_id, run_name="retrain").info.run_id
+    for key, value in config.to_dict().items():
+        if value is not None:
+            client.log_param(parent, key, json.dumps(value) if isinstance(value, (list, dict)) else value)
     results, earlier = [], []
-    mlflow = tracking.configure()
-    with tracking.start_run(config.mlflow_experiment, run_name="retrain") as parent:
-        mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, dict)) else v
-                           for k, v in config.to_dict().items() if v is not None})
-        for rows in scales:
-            with tracking.start_run(config.mlflow_experiment, run_name=f"scale-{rows}", nested=True) as child:
-                manifest = _extract_scale(config, rows, earlier)
-                features = _join(config.work, "features", f"rows-{rows}")
-                earlier.append(features)
-                champion = alias_version(config.registered_model, CHAMPION)
-                champion_dir = download_version(config.registered_model, champion.version) if champion else None
-                trained = _train_scale(config, rows, features, champion_dir if config.warm_start else None)
-                version = trained["registered_version"]
-                new = evaluate_draft(target, tokenizer, load_draft(draft_folder_of(trained), target=target),
-                                     prompts, config)
-                champion_eval = None
-                if champion is not None and str(champion.version) != str(version):
-                    champion_eval = evaluate_draft(target, tokenizer, load_draft(champion_dir, target=target),
-                                                   prompts, config)
-                promoted = promote(config.registered_model, version, new["tau"],
-                                   champion_eval["tau"] if champion_eval else None, config.margin)
-                result = {"rows": rows, "version": version, "promoted": promoted, "tau": new["tau"],
-                          "tokens_per_s": new["tokens_per_s"], "speedup": new["speedup"],
-                          "champion_tau": champion_eval["tau"] if champion_eval else None,
-                          "reused_shards": len(manifest.get("reused_shards", [])),
-                          "shards": len(manifest["shards"]), "train_run_id": trained.get("run_id"),
-                          "child_run_id": child.info.run_id}
-                mlflow.log_params({"rows": rows, "registered_version": version, "reused_shards": result["reused_shards"],
-                                   "train_run_id": result["train_run_id"]})
-                mlflow.log_metrics({k: float(result[k]) for k in ("tau", "tokens_per_s", "speedup", "shards")}
-                                   | {"promoted": float(promoted)})
-                results.append(result)
-                print(f"[retrain] {rows} rows: tau {new['tau']:.2f} (champion "
-                      f"{result['champion_tau'] if result['champion_tau'] is not None else '-'}), "
-                      f"{'promoted to champion' if promoted else 'stays candidate'}; reused "
-                      f"{result['reused_shards']}/{result['shards']} shards", flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            plot = os.path.join(tmp, "tau_vs_data_scale.png")
-            _plot_scaling(results, plot)
-            mlflow.log_artifact(plot)
-            mlflow.log_dict({"scales": results}, "scaling.json")
-        return {"parent_run_id": parent.info.run_id, "scales": results}
+    for rows in scales:
+        child = client.create_run(experiment_id, run_name=f"scale-{rows}",
+                                  tags={"mlflow.parentRunId": parent}).info.run_id
+        result = _scale_step(config, rows, earlier, target, tokenizer, prompts)
+        result["child_run_id"] = child
+        for key in ("rows", "version", "reused_shards", "train_run_id", "features", "draft"):
+            client.log_param(child, key, result[key])
+        for key in ("tau", "tokens_per_s", "plain_tokens_per_s", "speedup", "shards"):
+            client.log_metric(child, key, float(result[key]))
+        client.log_metric(child, "promoted", float(result["promoted"]))
+        client.log_metric(parent, "tau", result["tau"], step=rows)
+        client.set_terminated(child)
+        results.append(result)
+        print(f"[retrain] {rows} rows: tau {result['tau']:.2f} (champion tau "
+              f"{'-' if result['champion_tau'] is None else round(result['champion_tau'], 2)}), "
+              f"{'champion' if result['promoted'] else 'candidate'}; reused {result['reused_shards']}/"
+              f"{result['shards']} shards", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        plot = os.path.join(tmp, "tau_vs_data_scale.png")
+        _plot_scaling(results, plot)
+        client.log_artifact(parent, plot)
+        with open(os.path.join(tmp, "scaling.json"), "w") as f:
+            json.dump({"scales": results}, f, indent=1)
+        client.log_artifact(parent, os.path.join(tmp, "scaling.json"))
+    client.set_terminated(parent)
+    return {"parent_run_id": parent, "scales": results}

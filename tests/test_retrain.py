@@ -1,0 +1,83 @@
+"""Retraining at growing scales on the tiny target: shard reuse, no-op reruns, MLflow parent/child runs with the
+scaling plot, and the promotion rule in both directions."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pipelines.retrain import CANDIDATE, CHAMPION, RetrainConfig, alias_version, run_retrain
+
+pytestmark = pytest.mark.slow
+
+
+def write_corpus(path: Path, n: int) -> Path:
+    rows = [json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question {i}: what is {i} plus {i + 1}?"},
+        {"from": "gpt", "value": f"{i} plus {i + 1} is {2 * i + 1}."}]}) for i in range(n)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setting(ray_cluster, tmp_path_factory, tiny_target_dir):
+    folder = tmp_path_factory.mktemp("retrain")
+    old = os.environ.get("EAGLE3_WORK")
+    os.environ["EAGLE3_WORK"] = str(folder / "work")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hello there", "What is 2 plus 3?")) + "\n")
+    base = dict(corpus=str(write_corpus(folder / "corpus.jsonl", 12)), work=str(folder / "retrain"),
+                target=str(tiny_target_dir), registered_model="retrain-test", eval_prompts=str(prompts),
+                eval_count=2, eval_max_new_tokens=6, eval_depth=2, eval_top_k=2, eval_total_tokens=3,
+                mlflow_experiment="retrain-test",
+                extract={"regenerate": False, "rows_per_shard": 2, "cpus_per_worker": 0.5, "max_length": 64},
+                train={"epochs": 1, "tokens_per_batch": 256, "ttt_steps": 2, "draft_vocab_size": 128,
+                       "eval_fraction": 0.25, "checkpoint_every": 100, "cpus_per_worker": 0.5,
+                       "mlflow_experiment": "retrain-test-train", "log_every": 100})
+    yield base
+    if old is None:
+        os.environ.pop("EAGLE3_WORK", None)
+    else:
+        os.environ["EAGLE3_WORK"] = old
+
+
+def child_runs(client, experiment, parent):
+    return client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+
+
+def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
+    from mlflow.tracking import MlflowClient
+
+    from pipelines import tracking
+
+    # Pass 1: scales 6 and 12 rows; a margin no draft can beat, so the first version (no champion yet) becomes
+    # champion and the second stays candidate.
+    first = run_retrain(RetrainConfig(**setting, scales=[6, 12], margin=1e9, warm_start=False))
+    small, large = first["scales"]
+    assert (small["shards"], small["reused_shards"]) == (3, 0)
+    assert (large["shards"], large["reused_shards"]) == (6, 3)  # the 6-row prefix's shards were copied
+    assert small["promoted"] and not large["promoted"]
+    assert str(alias_version("retrain-test", CHAMPION).version) == str(small["version"])
+    assert str(alias_version("retrain-test", CANDIDATE).version) == str(large["version"])
+
+    client = MlflowClient(tracking.tracking_uri())
+    experiment = client.get_experiment_by_name("retrain-test").experiment_id
+    runs = child_runs(client, experiment, first["parent_run_id"])
+    assert sorted(r.data.params["rows"] for r in runs) == ["12", "6"]
+    assert all("tau" in r.data.metrics for r in runs)
+    artifacts = {a.path for a in client.list_artifacts(first["parent_run_id"])}
+    assert {"tau_vs_data_scale.png", "scaling.json"} <= artifacts
+
+    # Pass 2: the same scales plus a larger one, and a margin every draft beats: earlier scales are not
+    # retrained (same versions and training runs), the new scale reuses every shard it can and is promoted.
+    write_corpus(Path(setting["corpus"]), 16)
+    second = run_retrain(RetrainConfig(**setting, scales=[6, 12, 16], margin=-1e9, warm_start=False))
+    again_small, again_large, newest = second["scales"]
+    assert (again_small["version"], again_large["version"]) == (small["version"], large["version"])
+    assert again_large["train_run_id"] == large["train_run_id"]
+    assert again_large["reused_shards"] == 0 and again_large["shards"] == 6  # nothing new to copy: all committed
+    assert newest["reused_shards"] == 6 and newest["shards"] == 8
+    assert newest["promoted"]
+    assert str(alias_version("retrain-test", CHAMPION).version) == str(newest["version"])
+    assert len(child_runs(client, experiment, second["parent_run_id"])) == 3
