@@ -38,9 +38,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
 
+# Every benchmark of the project; each writes bench/results/<name>.json (and .md tables where it has one).
+# Run on a quiet machine: they time real work on all cores (about an hour on 2 cores).
 bench: $(STAMP)
 	mkdir -p bench/results
-	$(PY) jobs/bench.py
+	$(PY) jobs/bench_extract.py --out bench/results/extract.json
+	$(PY) jobs/bench_ttt.py
+	$(PY) jobs/bench_train.py
+	$(PY) jobs/benchmark.py
+	$(PY) jobs/bench_serve.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
