@@ -3,9 +3,10 @@
   python jobs/bench_serve.py                      # SmolLM2 + work/drafts/smollm2-quick, concurrency 1 4 16
   python jobs/bench_serve.py --draft DIR --concurrency 1 4 16 --requests 8 16 32 --max-tokens 48
 
-All deployments are up together; per concurrency c they take turns (back to back), each with a bounded closed loop
-of c clients sends a fixed number of greedy chat requests (MT-bench first turns) to 127.0.0.1 and stops
-after --time-limit seconds per level at the latest. Reports throughput (completion tokens/s, requests/s),
+All deployments are up together (an idle replica costs no CPU). Per concurrency c, the requests go out in
+waves of c concurrent greedy chat requests (MT-bench first turns) to 127.0.0.1, and the deployments take
+turns wave by wave (rotating order), so the changing load of a shared machine biases no deployment; a
+wave stops issuing requests after --time-limit seconds. Reports throughput (completion tokens/s, requests/s),
 p50/p99 latency and tau (1 + accepted/draft rounds over all requests), plus the rounds per decoding mode
 (tree / chain / plain fallback). Variants: `spec` (load fallback as configured), `spec-tree` (full trees
 at every batch size: what the fallback avoids), `plain`. Writes bench/results/serve.json and serve.md.
@@ -70,8 +71,15 @@ async def one_level(url: str, prompts: list, concurrency: int, max_tokens: int, 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=time_limit + 300) as http:
         await asyncio.gather(*[client(http) for _ in range(concurrency)])
-    wall = time.perf_counter() - t0
-    return summarize(results, errors, wall, concurrency)
+    return dict(results=results, errors=errors, wall=time.perf_counter() - t0)
+
+
+def merge_waves(parts: list[dict], concurrency: int) -> dict:
+    errors: dict = {}
+    for part in parts:
+        for code, k in part["errors"].items():
+            errors[code] = errors.get(code, 0) + k
+    return summarize([r for p in parts for r in p["results"]], errors, sum(p["wall"] for p in parts), concurrency)
 
 
 def summarize(results: list[dict], errors: dict, wall: float, concurrency: int) -> dict:
@@ -133,7 +141,8 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", default=["spec", "spec-tree", "plain"],
                    choices=["spec", "spec-tree", "spec-chain", "plain"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests", type=int, nargs="+", default=None, help="per level (default 2*c, at least 6)")
+    p.add_argument("--requests", type=int, nargs="+", default=None,
+                   help="per level, a multiple of c (default 2*c, at least 4)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--time-limit", type=float, default=240.0, help="seconds per level before no new requests")
     p.add_argument("--top-k", type=int, default=8)
@@ -148,7 +157,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not Path(args.draft).exists() and not args.draft.startswith("models:/"):
         raise SystemExit(f"no draft at {args.draft}: train one with `python jobs/quick_draft.py` first")
-    requests = args.requests or [max(6, 2 * c) for c in args.concurrency]
+    requests = args.requests or [max(4, 2 * c) for c in args.concurrency]
     if len(requests) != len(args.concurrency):
         raise SystemExit("--requests needs one count per --concurrency level")
 
@@ -180,16 +189,21 @@ def main(argv=None):
                              machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU"
                              if not _cuda() else f"GPU {_cuda()}"),
                   variants=[])
-    # All deployments up at once (an idle replica costs no CPU); each level runs the variants back to back,
-    # so a shared machine's changing load biases no variant much.
     urls = {}
     for name in args.variants:
         urls[name] = deploy(name.replace("-", ""), {**base, **variants[name]}, args.port)
         warm_up(urls[name], 4)
     levels = {name: [] for name in args.variants}
     for c, n in zip(args.concurrency, requests):
+        waves = max(1, n // c)
+        parts = {name: [] for name in args.variants}
+        for w in range(waves):  # wave w: c requests per variant, variants in rotating order
+            order = args.variants[w % len(args.variants):] + args.variants[: w % len(args.variants)]
+            for name in order:
+                batch = prompts[w * c: (w + 1) * c]
+                parts[name].append(asyncio.run(one_level(urls[name], batch, c, args.max_tokens, args.time_limit)))
         for name in args.variants:
-            level = asyncio.run(one_level(urls[name], prompts[:n], c, args.max_tokens, args.time_limit))
+            level = merge_waves(parts[name], c)
             print(f"[bench_serve] {name} c={c}: {json.dumps(level)}", flush=True)
             levels[name].append(level)
     report["variants"] = [dict(name=name, levels=levels[name]) for name in args.variants]

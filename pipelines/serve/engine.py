@@ -216,12 +216,27 @@ class Lane:
         self.root: torch.Tensor | None = None  # [B] last committed token, not yet in the target's cache
         self.draft_hidden: torch.Tensor | None = None  # [B, 1, H]
         self.generators: list | None = None
+        # Plain steps of a speculative lane defer the draft's cache update: their target features and
+        # tokens wait here ([B, 1, 3H] and [B, 1] per step) until a tree/chain round needs the draft.
+        self.pending_aux: list[torch.Tensor] = []
+        self.pending_tokens: list[torch.Tensor] = []
 
-    def merge_(self, other: "Lane") -> None:
-        """Append `other`'s rows (just prefilled) to this batch."""
+    def catch_up_draft_(self, draft) -> None:
+        """Extend the draft's cache with every deferred step in one forward (same entries as one by one)."""
+        if not self.pending_aux:
+            return
+        aux, tokens = torch.cat(self.pending_aux, dim=1), torch.cat(self.pending_tokens, dim=1)  # [B, k, ...]
+        n_new = torch.full((aux.shape[0],), aux.shape[1], dtype=torch.long, device=aux.device)
+        self.draft_hidden = draft_extend(draft, self.dkv, aux, tokens, n_new)
+        self.pending_aux, self.pending_tokens = [], []
+
+    def merge_(self, other: "Lane", draft) -> None:
+        """Append `other`'s rows (just prefilled, nothing deferred) to this batch."""
         if not self.rows:
             self.__dict__.update(other.__dict__)
             return
+        if draft is not None:
+            self.catch_up_draft_(draft)  # deferred steps are per-row equal only among the old rows
         self.rows += other.rows
         merge_target_kv_(self.kv, other.kv)
         if self.dkv is not None:
@@ -242,6 +257,8 @@ class Lane:
         idx = torch.tensor(keep, device=self.root.device)
         self.kv.select_rows_(idx)
         self.root = self.root[idx]
+        self.pending_aux = [t[idx] for t in self.pending_aux]
+        self.pending_tokens = [t[idx] for t in self.pending_tokens]
         if self.dkv is not None:
             self.dkv.select_rows_(idx)
             self.draft_hidden = self.draft_hidden[idx]
@@ -301,10 +318,12 @@ def prefill_lane(target, draft, requests: list[GenerationRequest], sampling: Sam
     return lane
 
 
-def plain_step_with_draft(target, draft, lane: Lane, aux_layer_ids) -> tuple[torch.Tensor, float, float]:
-    """A plain decoding step that keeps the draft's cache current (so trees can resume later).
+def plain_step_with_draft(target, lane: Lane, aux_layer_ids) -> tuple[torch.Tensor, float]:
+    """A plain decoding step that keeps what the draft will need (so trees can resume later).
 
-    Returns (next tokens [B], target seconds, draft seconds).
+    The step's target features and its new token are queued on the lane; `Lane.catch_up_draft_` feeds
+    them to the draft in one forward before the next tree/chain round, so a run of plain steps costs
+    one draft forward, not one per step. Returns (next tokens [B], target seconds).
     """
     device = lane.root.device
     b = lane.root.shape[0]
@@ -315,9 +334,10 @@ def plain_step_with_draft(target, draft, lane: Lane, aux_layer_ids) -> tuple[tor
     n_new = torch.ones(b, dtype=torch.long, device=device)
     lane.kv.keep_new_(past_width, torch.zeros(b, 1, dtype=torch.long, device=device), n_new)
     nxt = sample_next(target.get_output_embeddings()(hidden[:, 0]), lane.sampling, lane.generators)
-    t1 = _clock(device)
-    lane.draft_hidden = draft_extend(draft, lane.dkv, aux, nxt[:, None], n_new)
-    return nxt, t1 - t0, _clock(device) - t1
+    # Feature of the root's position pairs with the token after it (EAGLE's pairing, as in prefill).
+    lane.pending_aux.append(aux)
+    lane.pending_tokens.append(nxt[:, None])
+    return nxt, _clock(device) - t0
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
@@ -434,7 +454,8 @@ class Engine:
         lane.drop_finished_()
         if lane.rows:
             with self.cond:
-                self.lanes.setdefault(key, Lane(lane.sampling)).merge_(lane)
+                running = self.lanes.setdefault(key, Lane(lane.sampling))
+            running.merge_(lane, self.draft)
 
     def _round(self, lane: Lane) -> None:
         lane.drop_finished_()  # cancelled rows leave before we spend compute on them
@@ -449,12 +470,15 @@ class Engine:
             committed, accept_lengths, draft_s, verify_s = self._plain_round(lane)
         else:
             tree = self.config.tree if mode == "tree" else TreeConfig.chain(self.config.tree.depth)
+            t0 = _clock(self.device)
+            lane.catch_up_draft_(self.draft)
+            catch_up_s = _clock(self.device) - t0
             out = speculative_decode(self.target, self.draft, lane.kv, lane.dkv, lane.root, lane.draft_hidden, tree,
                                      lane.sampling, lane.generators, self.aux_layer_ids)
             lane.root, lane.draft_hidden = out.root, out.draft_hidden
             accept_lengths = out.accept_length.tolist()
             committed = [toks[: n + 1] for toks, n in zip(out.tokens.tolist(), accept_lengths)]
-            draft_s, verify_s = out.draft_s, out.verify_s
+            draft_s, verify_s = out.draft_s + catch_up_s, out.verify_s
         if self.chooser is not None:
             self.chooser.record(b, mode, sum(len(t) for t in committed), draft_s + verify_s)
         for row, tokens, n in zip(lane.rows, committed, accept_lengths or [None] * b):
@@ -474,7 +498,8 @@ class Engine:
             lane.root = decode_one_token(self.target, lane.kv, lane.root, lane.sampling, lane.generators)
             verify_s, draft_s = _clock(self.device) - t0, 0.0
         else:
-            lane.root, verify_s, draft_s = plain_step_with_draft(self.target, self.draft, lane, self.aux_layer_ids)
+            lane.root, verify_s = plain_step_with_draft(self.target, lane, self.aux_layer_ids)
+            draft_s = 0.0
         # No draft tokens were proposed: the round has no accept_length (tau counts speculative rounds).
         return [[t] for t in lane.root.tolist()], None, draft_s, verify_s
 
