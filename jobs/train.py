@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N steps "
                    "(and at every epoch end)")
     c.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="keep the last K checkpoints")
+    c.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
+                   help="warm start: seed the draft with an earlier draft's weights where shapes agree")
     c.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
     c.add_argument("--max-failures", type=int, default=d.max_failures,
                    help="worker failures to recover from automatically (restart from the last checkpoint)")

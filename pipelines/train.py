@@ -99,6 +99,7 @@ class TrainJobConfig:
     mlflow_experiment: str | None = "eagle3-train"
     registered_model_name: str | None = "eagle3-draft"
     fault_at_step: int | None = None  # tests: rank 0 SIGKILLs its own process once, after this step
+    init_from: str | None = None  # warm start: a draft folder whose weights seed this draft where shapes agree
 
     def __post_init__(self):
         if (self.features is None) == (self.corpus is None):
@@ -391,7 +392,47 @@ def build_draft(config: TrainJobConfig, tconfig, heads: dict, d2t, t2d, lineage:
     draft.set_vocab(d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))
     if cfg.lm_head_init == "target":
         draft.init_lm_head_from_target(heads["lm_head"], heads["norm"])
+    if config.init_from:
+        warm_start(draft, config.init_from)
     return draft
+
+
+@torch.no_grad()
+def warm_start(draft, folder: str) -> list[str]:
+    """Seed `draft` with an earlier draft's weights: every tensor of the same shape, and the lm_head rows of the
+    target tokens both draft vocabularies hold (the vocab moves as the corpus grows). Returns what was copied;
+    nothing when the aux layers or the target differ (different features: a fresh start is the honest one)."""
+    import warnings
+
+    from eagle_core.checkpoint import load_draft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its shared target embeddings are not needed here
+        old = load_draft(folder, device=draft.fc.weight.device)
+    same_features = (list(old.config.aux_layer_ids) == list(draft.config.aux_layer_ids)
+                     and old.config.target_hidden_size == draft.config.target_hidden_size
+                     and old.config.target_vocab_size == draft.config.target_vocab_size)
+    if not same_features:
+        print(f"[train] not warm-starting from {folder}: it was trained on other target features", flush=True)
+        return []
+    ours, copied = draft.state_dict(), []
+    for name, tensor in old.state_dict().items():
+        if name in ("d2t", "t2d") or name.startswith("embed_tokens") or name not in ours:
+            continue
+        if name == "lm_head.weight":
+            old_row = torch.full((draft.config.target_vocab_size,), -1, dtype=torch.long, device=tensor.device)
+            old_ids = torch.arange(old.d2t.numel(), device=tensor.device) + old.d2t
+            old_row[old_ids] = torch.arange(old.d2t.numel(), device=tensor.device)
+            new_ids = torch.arange(draft.d2t.numel(), device=tensor.device) + draft.d2t.to(tensor.device)
+            rows = old_row[new_ids]
+            shared = rows >= 0
+            if tensor.shape[1] == ours[name].shape[1]:
+                ours[name][shared] = tensor[rows[shared]].to(ours[name].dtype)
+                copied.append(name)
+        elif ours[name].shape == tensor.shape:
+            ours[name].copy_(tensor)
+            copied.append(name)
+    return copied
 
 
 class TTTObjective(nn.Module):

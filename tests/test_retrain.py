@@ -9,7 +9,33 @@ import pytest
 
 from pipelines.retrain import CANDIDATE, CHAMPION, RetrainConfig, alias_version, run_retrain
 
-pytestmark = pytest.mark.slow
+
+def test_warm_start_copies_weights_and_the_shared_vocab_rows(tmp_path, tiny_target):
+    import torch
+
+    from eagle_core.checkpoint import save_draft
+    from eagle_core.draft import DraftConfig, Eagle3Draft
+    from eagle_core.vocab import mapping_from_draft_ids
+    from pipelines.train import warm_start
+
+    def draft(seed, ids):
+        torch.manual_seed(seed)
+        d = Eagle3Draft(DraftConfig.from_target(tiny_target.config, draft_vocab_size=len(ids)),
+                        tiny_target.get_input_embeddings().weight)
+        d.set_vocab(*mapping_from_draft_ids(torch.tensor(ids), tiny_target.config.vocab_size))
+        return d
+
+    old = draft(0, list(range(0, 64)))
+    save_draft(old, tmp_path / "old")
+    new = draft(1, list(range(32, 96)))  # shares target ids 32..63 with the old vocabulary
+    copied = warm_start(new, str(tmp_path / "old"))
+    assert "fc.weight" in copied and "lm_head.weight" in copied
+    assert torch.equal(new.fc.weight, old.fc.weight)
+    assert torch.equal(new.midlayer.self_attn.q_proj.weight, old.midlayer.self_attn.q_proj.weight)
+    assert torch.equal(new.lm_head.weight[:32], old.lm_head.weight[32:])  # same target tokens, same rows
+    fresh = draft(1, list(range(32, 96)))
+    assert torch.equal(new.lm_head.weight[32:], fresh.lm_head.weight[32:])  # tokens new to the vocab: fresh rows
+    assert torch.equal(new.d2t + torch.arange(64), torch.arange(32, 96))  # the new vocabulary is kept
 
 
 def write_corpus(path: Path, n: int) -> Path:
@@ -46,6 +72,7 @@ def child_runs(client, experiment, parent):
     return client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
 
 
+@pytest.mark.slow
 def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     from mlflow.tracking import MlflowClient
 
@@ -53,7 +80,7 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
 
     # Pass 1: scales 6 and 12 rows; a margin no draft can beat, so the first version (no champion yet) becomes
     # champion and the second stays candidate.
-    first = run_retrain(RetrainConfig(**setting, scales=[6, 12], margin=1e9, warm_start=False))
+    first = run_retrain(RetrainConfig(**setting, scales=[6, 12], margin=1e9))
     small, large = first["scales"]
     assert (small["shards"], small["reused_shards"]) == (3, 0)
     assert (large["shards"], large["reused_shards"]) == (6, 3)  # the 6-row prefix's shards were copied
@@ -72,7 +99,7 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     # Pass 2: the same scales plus a larger one, and a margin every draft beats: earlier scales are not
     # retrained (same versions and training runs), the new scale reuses every shard it can and is promoted.
     write_corpus(Path(setting["corpus"]), 16)
-    second = run_retrain(RetrainConfig(**setting, scales=[6, 12, 16], margin=-1e9, warm_start=False))
+    second = run_retrain(RetrainConfig(**setting, scales=[6, 12, 16], margin=-1e9))
     again_small, again_large, newest = second["scales"]
     assert (again_small["version"], again_large["version"]) == (small["version"], large["version"])
     assert again_large["train_run_id"] == large["train_run_id"]
