@@ -14,7 +14,10 @@ export TOKENIZERS_PARALLELISM := false
 # Spinning OpenMP waits make small ops many times slower on a busy few-core CPU (torch on CPU).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench headline clean
+# The draft the decoding and serving benchmarks use: the quick one by default, `make bench DRAFT=...` for another.
+QUICK_DRAFT := work/drafts/smollm2-quick
+DRAFT ?= $(QUICK_DRAFT)
 
 setup: $(STAMP)
 
@@ -40,13 +43,25 @@ test-fast: $(STAMP)
 
 # Every benchmark of the project; each writes bench/results/<name>.json (and .md tables where it has one).
 # Run on a quiet machine: they time real work on all cores (about an hour on 2 cores).
-bench: $(STAMP)
+bench: $(STAMP) $(DRAFT)/config.json
 	mkdir -p bench/results
 	$(PY) jobs/bench_extract.py --out bench/results/extract.json
 	$(PY) jobs/bench_ttt.py
 	$(PY) jobs/bench_train.py
-	$(PY) jobs/benchmark.py
-	$(PY) jobs/bench_serve.py
+	$(PY) jobs/benchmark.py --draft $(DRAFT)
+	$(PY) jobs/bench_serve.py --draft $(DRAFT)
+
+$(QUICK_DRAFT)/config.json: $(STAMP)
+	$(PY) jobs/quick_draft.py --out $(QUICK_DRAFT) --conversations 40 --max-length 256 --steps 120
+
+# The headline draft: as much regenerated ShareGPT as the machine allows, resumable (rerun to continue).
+# Then: make bench DRAFT=work/train/headline/draft
+HEADLINE_ROWS ?= 4000
+headline: $(STAMP)
+	$(PY) jobs/extract.py --limit $(HEADLINE_ROWS) --output work/features/headline --max-new-tokens 256 \
+		--max-length 1024 --rows-per-shard 32
+	$(PY) jobs/train.py --features work/features/headline --output work/train/headline --epochs 6 --lr 1e-3 \
+		--draft-vocab-size 8192 --ttt-steps 7 --tokens-per-batch 8192 --resume
 
 clean:
 	rm -rf $(VENV) build *.egg-info
