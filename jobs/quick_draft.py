@@ -20,37 +20,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle_core.chat import TemplateError, tokenize_conversation  # noqa: E402
 from eagle_core.checkpoint import save_draft  # noqa: E402
 from eagle_core.draft import Eagle3Draft  # noqa: E402
-from eagle_core.target import capture_features, load_target  # noqa: E402
+from eagle_core.target import load_target  # noqa: E402
 from eagle_core.ttt import TrainConfig, train_draft_steps  # noqa: E402
 from eagle_core.vocab import TokenCounter, build_vocab_mapping  # noqa: E402
 
 
 def feature_batches(model, tokenizer, n: int, max_length: int, min_loss_tokens: int = 32):
-    from pipelines.data import QuarantineError, default_corpus_path, iter_file_records, normalize_record
+    from pipelines.extract import local_feature_batches
 
-    batches = []
-    for record, error, _ in iter_file_records(default_corpus_path()):
-        if error:
-            continue
-        try:
-            messages, _ = normalize_record(record)
-            tok = tokenize_conversation(tokenizer, messages, max_length=max_length)
-        except (QuarantineError, TemplateError):
-            continue
-        if sum(tok.loss_mask) < min_loss_tokens:
-            continue
-        ids = torch.tensor([tok.input_ids])
-        feats = capture_features(model, ids)
-        batches.append(dict(input_ids=ids, loss_mask=torch.tensor([tok.loss_mask]),
-                            aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden))
-        if len(batches) % 20 == 0:
-            print(f"[quick_draft] features of {len(batches)} conversations", flush=True)
-        if len(batches) == n:
-            break
-    return batches
+    return local_feature_batches(model, tokenizer, n, max_length, min_loss_tokens, progress="quick_draft")
 
 
 def main(argv=None):

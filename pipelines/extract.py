@@ -406,6 +406,39 @@ def _log_to_mlflow(config: ExtractConfig, manifest: dict) -> str:
         return run.info.run_id
 
 
+def local_feature_batches(model, tokenizer, n: int, max_length: int, min_loss_tokens: int = 32, skip: int = 0,
+                          corpus: str | None = None, progress: str | None = None) -> list[dict]:
+    """Features of the first usable conversations of a corpus file, in this process (no Ray, no regeneration):
+    one batch {input_ids, loss_mask, aux_hidden, last_hidden} per conversation with at least
+    `min_loss_tokens` loss tokens, after skipping `skip` of them. For benchmarks, tests and quick drafts."""
+    from eagle_core.chat import TemplateError, tokenize_conversation
+    from eagle_core.target import capture_features
+    from pipelines.data import QuarantineError, iter_file_records, normalize_record, resolve_corpus_url
+
+    batches, usable = [], 0
+    for record, error, _ in iter_file_records(resolve_corpus_url(corpus)):
+        if error:
+            continue
+        try:
+            tok = tokenize_conversation(tokenizer, normalize_record(record)[0], max_length=max_length)
+        except (QuarantineError, TemplateError):
+            continue
+        if sum(tok.loss_mask) < min_loss_tokens:
+            continue
+        usable += 1
+        if usable <= skip:
+            continue
+        ids = torch.tensor([tok.input_ids])
+        feats = capture_features(model, ids)
+        batches.append(dict(input_ids=ids, loss_mask=torch.tensor([tok.loss_mask]),
+                            aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden))
+        if progress and len(batches) % 20 == 0:
+            print(f"[{progress}] features of {len(batches)} conversations", flush=True)
+        if len(batches) == n:
+            break
+    return batches
+
+
 def load_manifest(output: str) -> dict:
     with fsspec.open(_join(output, "manifest.json"), "rt") as f:
         return json.load(f)

@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from eagle_core.chat import TemplateError, tokenize_conversation
 from eagle_core.draft import Eagle3Draft
-from eagle_core.target import capture_features
 from eagle_core.ttt import TrainConfig, train_draft_steps, ttt_forward, with_targets
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
 
@@ -13,25 +11,11 @@ N_CONVERSATIONS, MAX_LENGTH, TTT_STEPS, DRAFT_VOCAB, STEPS = 6, 112, 2, 512, 200
 
 
 def _conversation_batches(model, tokenizer, n):
-    from pipelines.data import QuarantineError, default_corpus_path, iter_file_records, normalize_record
+    from pipelines.extract import local_feature_batches
 
-    batches = []
-    for record, error, _ in iter_file_records(default_corpus_path()):
-        try:
-            if error:
-                continue
-            tok = tokenize_conversation(tokenizer, normalize_record(record)[0], max_length=MAX_LENGTH)
-        except (QuarantineError, TemplateError):
-            continue
-        if sum(tok.loss_mask) < 32:
-            continue
-        ids = torch.tensor([tok.input_ids])
-        feats = capture_features(model, ids)
-        batches.append(dict(input_ids=ids, loss_mask=torch.tensor([tok.loss_mask]),
-                            aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden))
-        if len(batches) == n:
-            return batches
-    raise AssertionError("the embedded corpus yielded too few usable conversations")
+    batches = local_feature_batches(model, tokenizer, n, MAX_LENGTH)
+    assert len(batches) == n, "the embedded corpus yielded too few usable conversations"
+    return batches
 
 
 def _step0_accuracy(draft, batches, head):
