@@ -194,8 +194,12 @@ def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
                              capture_output=True).returncode != 0:
             assert time.time() < deadline, "the head did not come up"
             time.sleep(2)
-        submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json", runtime_env,
-                                    "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
+        while True:  # the job agent may come up a little after the dashboard answers
+            submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json",
+                                        runtime_env, "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
+            if "No available agent" not in submitted.stderr + submitted.stdout or time.time() > deadline + 120:
+                break
+            time.sleep(3)
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         assert "succeeded" in (submitted.stdout + submitted.stderr).lower()  # "Job ... succeeded"
         manifest = load_manifest(config.output)
