@@ -59,20 +59,31 @@ def setup(smollm2):
     return model, tokenizer, prompts, alone + plain[1:], eos
 
 
-def drafts(model):
-    yield "random", Eagle3Draft(DraftConfig.from_target(model.config, draft_vocab_size=8000),
-                                target_embed_weight=model.get_input_embeddings().weight).eval()
+@pytest.fixture(scope="module")
+def trained_folder(tmp_path_factory):
+    """The quick draft when one was made (make bench does), else a small one trained here by the same script."""
     if (TRAINED / "config.json").is_file():
-        yield "trained", load_draft(TRAINED, target=model).eval()
+        return TRAINED
+    folder = tmp_path_factory.mktemp("quick-draft") / "draft"
+    spec = importlib.util.spec_from_file_location("quick_draft", TRAINED.parents[2] / "jobs" / "quick_draft.py")
+    quick_draft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quick_draft)
+    quick_draft.main(["--out", str(folder), "--conversations", "12", "--max-length", "160", "--steps", "80",
+                      "--ttt-steps", "2", "--draft-vocab-size", "2048"])
+    return folder
+
+
+def make_draft(model, kind, trained_folder):
+    if kind == "random":
+        return Eagle3Draft(DraftConfig.from_target(model.config, draft_vocab_size=8000),
+                           target_embed_weight=model.get_input_embeddings().weight).eval()
+    return load_draft(trained_folder, target=model).eval()
 
 
 @pytest.mark.parametrize("kind", ["random", "trained"])
-def test_greedy_lossless_on_smollm2(setup, kind):
+def test_greedy_lossless_on_smollm2(setup, kind, request):
     model, _, prompts, plain, eos = setup
-    found = dict(drafts(model))
-    if kind not in found:
-        pytest.skip(f"no trained draft at {TRAINED} (make one with jobs/quick_draft.py)")
-    draft = found[kind]
+    draft = make_draft(model, kind, request.getfixturevalue("trained_folder") if kind == "trained" else None)
     # the batch with a tree, and one prompt alone with a chain
     tree = generate(model, prompts, draft=draft, tree=TreeConfig(4, 4, 12), max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert_equal_or_near_tie(model, prompts, tree.tokens, plain)
