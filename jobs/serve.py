@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--target", default="smollm2-135m", help="target name, HF folder or models:/<name>@<alias>")
     p.add_argument("--draft", default=None, help="draft folder or models:/<name>@<alias>; omit for plain decoding")
     p.add_argument("--name", default="eagle3", help="Serve application name")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 exposes it to the network)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (an all-interfaces address exposes the server to the network: only behind auth)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--route-prefix", default="/")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
