@@ -180,7 +180,10 @@ def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-                             "--include-dashboard=true", f"--temp-dir={temp_dir}"],
+                             "--include-dashboard=true", f"--temp-dir={temp_dir}",
+                             # the default agent port (52365) is taken by any other Ray node on the machine,
+                             # such as this session's cluster: the job agent must listen elsewhere
+                             f"--dashboard-agent-listen-port={free_port()}"],
                             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         config = base_config(tmp_path, tiny_target_dir)
