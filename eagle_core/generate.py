@@ -120,6 +120,17 @@ def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tens
     return out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))
 
 
+def draft_prefill(draft, dkv: DraftKV, aux: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
+                  root: torch.Tensor) -> torch.Tensor:
+    """The prompt's target features into the draft's cache; returns the hidden state the first tree grows from.
+
+    Feature at position p pairs with token p+1; the last prompt position pairs with the root (first new token).
+    """
+    next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # [B, S]
+    next_tokens.scatter_(1, (lengths - 1)[:, None], root[:, None])
+    return draft_extend(draft, dkv, aux, next_tokens, lengths)
+
+
 def decode_one_token(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConfig, generators):
     """Plain decoding step: token [B] (not yet in the cache) -> next token [B]."""
     b = token.shape[0]
@@ -230,10 +241,7 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     dkv, draft_hidden = None, None
     if draft is not None:
         dkv = DraftKV(b, device)
-        # Feature at position p pairs with token p+1; the last prompt position pairs with the root.
-        next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-        next_tokens.scatter_(1, (lengths - 1)[:, None], root[:, None])
-        draft_hidden = draft_extend(draft, dkv, aux, next_tokens, lengths)
+        draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
     t_prefill = _clock(device) - t_start
     for r in requests:
         r.stats.prefill_s = t_prefill

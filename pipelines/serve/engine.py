@@ -2,7 +2,7 @@
 
 `eagle_core.generate.generate` decodes a fixed batch to the end. A server must let requests join and
 leave while others decode, so this engine owns the loop instead and reuses the generator's steps as they
-are: `prefill` + `draft_extend` for newly admitted requests, `speculative_decode` (tree or chain) or a
+are: `prefill` + `draft_prefill` for newly admitted requests, `speculative_decode` (tree or chain) or a
 plain step for the running batch, and the ragged caches of `eagle_core.kv`, whose rows are independent:
 admitting a request is a row concatenation (`merge_target_kv_`), finishing one is `select_rows_`.
 
@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from eagle_core.generate import RequestStats, _Request, decode_one_token, draft_extend, prefill, speculative_decode
+from eagle_core.generate import RequestStats, _Request, decode_one_token, draft_extend, draft_prefill, prefill, speculative_decode
 from eagle_core.kv import DraftKV, TargetKV, target_forward
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig, sample_next
@@ -311,10 +311,7 @@ def prefill_lane(target, draft, requests: list[GenerationRequest], sampling: Sam
     lane.root = sample_next(logits, sampling, lane.generators)  # [B]
     if draft is not None:
         lane.dkv = DraftKV(len(prompts), device)
-        # Feature at position p pairs with token p+1; the last prompt position pairs with the root.
-        next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-        next_tokens.scatter_(1, (lengths - 1)[:, None], lane.root[:, None])
-        lane.draft_hidden = draft_extend(draft, lane.dkv, aux, next_tokens, lengths)
+        lane.draft_hidden = draft_prefill(draft, lane.dkv, aux, ids, lengths, lane.root)
     return lane
 
 
