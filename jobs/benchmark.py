@@ -31,19 +31,23 @@ from eagle_core.checkpoint import load_draft  # noqa: E402
 from eagle_core.generate import generate  # noqa: E402
 from eagle_core.target import load_target  # noqa: E402
 from eagle_core.tree import TreeConfig  # noqa: E402
+from pipelines.data import load_mtbench_questions, spread_indices  # noqa: E402
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree")
 
 
-def mtbench_questions() -> list[dict]:
-    from pipelines.data import load_mtbench_questions
-
-    return load_mtbench_questions()
-
-
-def spread(n: int, total: int) -> list[int]:
-    """n indices spread evenly over `total` (MT-bench is sorted by category: this samples every category)."""
-    return sorted({round(i * total / n) for i in range(n)}) if n < total else list(range(total))
+def describe_draft(folder: Path) -> str:
+    """Where the draft came from: its quick_draft.json, or the summary.json of the training run that exported it."""
+    quick, trained = folder / "quick_draft.json", folder.parent / "summary.json"
+    if quick.is_file():
+        info = json.loads(quick.read_text())
+        return (f"{folder.name} (jobs/quick_draft.py: {info['conversations']} ShareGPT conversations, "
+                f"{info['steps']} TTT steps, ttt_steps {info['ttt_steps']}, draft vocab {info['draft_vocab_size']})")
+    if trained.is_file():
+        info = json.loads(trained.read_text())
+        return (f"{folder} (jobs/train.py: {info['train_rows']} training conversations of "
+                f"{info['lineage']['features']}, {info['step']} optimiser steps)")
+    return str(folder)
 
 
 def param_bytes(module) -> int:
@@ -104,7 +108,40 @@ def summarize(method: str, runs: list[dict], reference: list[dict], target_bytes
     return out
 
 
-def markdown(summary: list[dict], meta: dict) -> str:
+def by_category(runs: dict[str, list[dict]], categories: list[str]) -> dict[str, dict[str, dict]]:
+    """{category: {method: {tau, tokens_per_s, speedup_vs_hf_greedy}}} over the prompts of each category."""
+    table = {}
+    for category in dict.fromkeys(categories):
+        picked = [i for i, c in enumerate(categories) if c == category]
+        row = {}
+        for method, method_runs in runs.items():
+            chosen = [method_runs[i] for i in picked]
+            tokens = sum(len(r["tokens"]) for r in chosen)
+            entry = {"prompts": len(chosen), "tokens_per_s": tokens / sum(r["seconds"] for r in chosen)}
+            if chosen[0]["rounds"] is not None and method != "plain":
+                entry["tau"] = 1.0 + sum(r["accepted"] for r in chosen) / sum(r["rounds"] for r in chosen)
+            row[method] = entry
+        if "hf_greedy" in row:
+            for entry in row.values():
+                entry["speedup_vs_hf_greedy"] = entry["tokens_per_s"] / row["hf_greedy"]["tokens_per_s"]
+        table[category] = row
+    return table
+
+
+def category_markdown(table: dict[str, dict[str, dict]]) -> list[str]:
+    methods = [m for m in ("chain", "tree") if m in next(iter(table.values()))]
+    if not methods or "hf_greedy" not in next(iter(table.values())):
+        return []
+    lines = ["Per MT-bench category (speed-up over HF greedy on the same prompts):", "",
+             "| category | prompts | " + " | ".join(f"tau {m} | speed-up {m}" for m in methods) + " |",
+             "|---|---:|" + "---:|---:|" * len(methods)]
+    for category, row in table.items():
+        cells = " | ".join(f"{row[m]['tau']:.2f} | {row[m]['speedup_vs_hf_greedy']:.2f}x" for m in methods)
+        lines.append(f"| {category} | {row[methods[0]]['prompts']} | {cells} |")
+    return lines + [""]
+
+
+def markdown(summary: list[dict], meta: dict, categories: dict[str, dict[str, dict]] | None = None) -> str:
     base = {s["method"]: s["tokens_per_s"] for s in summary}
     lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
              f"`{meta['command']}`", "",
@@ -124,6 +161,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
     lines += ["", "tau = tokens committed per target forward (accepted draft tokens + the bonus token). GB/s = "
               "weights read per second (target weights per target forward + draft weights per draft step; "
               "n/a where HF does not expose its forward count).", ""]
+    lines += category_markdown(categories) if categories else []
     return "\n".join(lines)
 
 
@@ -152,12 +190,12 @@ def main(argv=None):
     draft.eval()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
-    questions = mtbench_questions()
-    chosen = spread(args.num_prompts, len(questions))
+    questions = load_mtbench_questions()
+    chosen = spread_indices(args.num_prompts, len(questions))
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": questions[i]["turns"][0]}]) for i in chosen]
     others = [i for i in range(len(questions)) if i not in chosen] or list(range(len(questions)))
     calib = [prompt_ids(tokenizer, [{"role": "user", "content": questions[i]["turns"][0]}])
-             for i in spread(args.autotune_prompts, len(others)) for i in [others[i]]]
+             for i in spread_indices(args.autotune_prompts, len(others)) for i in [others[i]]]
 
     tuned = None
     if args.total_tokens:
@@ -195,12 +233,7 @@ def main(argv=None):
             if "hf_greedy" in methods else None
         s["speedup_vs_plain"] = s["tokens_per_s"] / summary[methods.index("plain")]["tokens_per_s"] \
             if "plain" in methods else None
-    draft_info = args.draft
-    info_file = Path(args.draft) / "quick_draft.json"
-    if info_file.is_file():
-        info = json.loads(info_file.read_text())
-        draft_info = (f"{Path(args.draft).name} (jobs/quick_draft.py: {info['conversations']} ShareGPT conversations, "
-                      f"{info['steps']} TTT steps, ttt_steps {info['ttt_steps']}, draft vocab {info['draft_vocab_size']})")
+    draft_info = describe_draft(Path(args.draft))
     meta = dict(target="SmolLM2-135M-Instruct (float32)", draft=draft_info,
                 machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads" if not torch.cuda.is_available()
                 else torch.cuda.get_device_name(),
@@ -213,11 +246,12 @@ def main(argv=None):
                      f"which is why methods are interleaved per prompt")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(meta=meta, summary=summary, autotune=tuned.to_dict() if tuned else None,
+    categories = by_category(runs, [questions[i]["category"] for i in chosen])
+    result = dict(meta=meta, summary=summary, by_category=categories, autotune=tuned.to_dict() if tuned else None,
                   per_prompt={m: [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": len(r["tokens"])}
                                   for r in runs[m]] for m in methods})
     (out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
-    md = markdown(summary, meta)
+    md = markdown(summary, meta, categories)
     (out / "decode.md").write_text(md)
     print(md, flush=True)
 

@@ -62,18 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", type=parse_overrides, default=d.train,
                    help='TrainJobConfig overrides as JSON, e.g. \'{"epochs": 3, "num_workers": 2}\'')
     p.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment of the parent run")
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="also write the per-scale results (rows, tau, speed-up, version, promoted) to this JSON file")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     return p
 
 
 def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
-    address = args.pop("address")
+    address, results = args.pop("address"), args.pop("results")
     from pipelines.cluster import connect
 
     connect(address)
-    result = run_retrain(RetrainConfig(**args))
+    config = RetrainConfig(**args)
+    result = run_retrain(config)
     print(json.dumps(result, indent=1))
+    if results:
+        os.makedirs(os.path.dirname(os.path.abspath(results)), exist_ok=True)
+        with open(results, "w") as f:
+            json.dump({"command": "python jobs/retrain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "config": config.to_dict(), **result}, f, indent=1)
     return 0
 
 

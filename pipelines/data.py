@@ -68,6 +68,11 @@ def load_mtbench_questions() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def spread_indices(n: int, total: int) -> list[int]:
+    """n indices spread evenly over `total` (MT-bench is sorted by category: this samples every category)."""
+    return sorted({round(i * total / n) for i in range(n)}) if n < total else list(range(total))
+
+
 def resolve_corpus_url(url: str | None) -> str:
     return default_corpus_path() if url in (None, "", DEFAULT_CORPUS) else url
 

@@ -67,9 +67,10 @@ def _join(url: str, *parts: str) -> str:
 def load_eval_prompts(source: str, count: int) -> list[list[dict]]:
     """Chat prompts (lists of messages) for evaluation."""
     if source == "mtbench":
-        from pipelines.data import load_mtbench_questions
+        from pipelines.data import load_mtbench_questions, spread_indices
 
-        return [[{"role": "user", "content": q["turns"][0]}] for q in load_mtbench_questions()[:count]]
+        questions = load_mtbench_questions()
+        return [[{"role": "user", "content": questions[i]["turns"][0]}] for i in spread_indices(count, len(questions))]
     import fsspec
 
     prompts = []
@@ -151,7 +152,8 @@ def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]) -> dict
     from pipelines.extract import ExtractConfig, run_extract
 
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "limit": rows,
-                               "output": _join(config.work, "features", f"rows-{rows}"), "reuse_from": earlier,
+                               "output": _join(config.work, "features", f"rows-{rows}"),
+                               "reuse_from": [*config.extract.get("reuse_from", []), *earlier],
                                "mlflow_experiment": config.extract.get("mlflow_experiment")})
     return run_extract(extract)
 

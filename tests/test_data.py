@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.data import ingest, iter_file_records, normalize_record, parse_file, QuarantineError
+from pipelines.data import (ingest, iter_file_records, load_mtbench_questions, normalize_record, parse_file,
+                            QuarantineError, spread_indices)
 
 
 def sharegpt(i, *turns):
@@ -154,3 +155,14 @@ def test_default_sharegpt_file_yields_all_whole_records():
     assert reasons.count("truncated_record") == 1 and rows[-1]["reason"] == "truncated_record"
     assert len(rows) > 17_000
     assert sum(r["status"] == "kept" for r in rows) > 16_000
+
+
+def test_spread_mtbench_prompts_cover_every_category():
+    questions = load_mtbench_questions()
+    categories = {q["category"] for q in questions}
+    assert len(questions) == 80 and len(categories) == 8
+    for n in (8, 16):
+        picked = spread_indices(n, len(questions))
+        assert len(picked) == n and len(set(picked)) == n
+        assert {questions[i]["category"] for i in picked} == categories
+    assert spread_indices(100, 80) == list(range(80))
