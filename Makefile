@@ -54,14 +54,22 @@ bench: $(STAMP) $(DRAFT)/config.json
 $(QUICK_DRAFT)/config.json: $(STAMP)
 	$(PY) jobs/quick_draft.py --out $(QUICK_DRAFT) --conversations 40 --max-length 256 --steps 120
 
-# The headline draft: as much regenerated ShareGPT as the machine allows, resumable (rerun to continue).
-# Then: make bench DRAFT=work/train/headline/draft
-HEADLINE_ROWS ?= 4000
+# The headline draft: regenerated ShareGPT, extracted resumably (rerun to continue), then retrained at two
+# data scales (the smaller one warm-starts the larger; both are evaluated and the better becomes the
+# `champion` of the registered model smollm2-headline). HEADLINE_ROWS/HEADLINE_SMALL are corpus row limits
+# that keep exactly 320 and 64 conversations, so every shard of the small scale is a shard of the large one.
+# Then: make bench DRAFT=$(HEADLINE_DRAFT)
+HEADLINE_ROWS ?= 330
+HEADLINE_SMALL ?= 66
+HEADLINE_EXTRACT := --max-new-tokens 256 --max-length 1024 --rows-per-shard 32
+HEADLINE_DRAFT := work/headline/drafts/rows-$(HEADLINE_ROWS)/draft
 headline: $(STAMP)
-	$(PY) jobs/extract.py --limit $(HEADLINE_ROWS) --output work/features/headline --max-new-tokens 256 \
-		--max-length 1024 --rows-per-shard 32
-	$(PY) jobs/train.py --features work/features/headline --output work/train/headline --epochs 6 --lr 1e-3 \
-		--draft-vocab-size 8192 --ttt-steps 7 --tokens-per-batch 8192 --resume
+	$(PY) jobs/extract.py --limit $(HEADLINE_ROWS) --output work/features/headline $(HEADLINE_EXTRACT) --num-workers 2
+	$(PY) jobs/retrain.py --scales $(HEADLINE_SMALL),$(HEADLINE_ROWS) --work work/headline \
+		--registered-model smollm2-headline --mlflow-experiment eagle3-headline --eval-count 8 \
+		--extract '{"reuse_from": ["work/features/headline"], "max_new_tokens": 256, "max_length": 1024, "rows_per_shard": 32}' \
+		--train '{"epochs": 2, "lr": 0.001, "draft_vocab_size": 8192, "tokens_per_batch": 2048, "cpus_per_worker": 2, "checkpoint_every": 25, "warmup_ratio": 0.05}' \
+		--results bench/results/scaling.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
