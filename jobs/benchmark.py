@@ -84,18 +84,26 @@ class Runner:
                     draft_s=s.draft_s, verify_s=s.verify_s)
 
 
+def tokens_per_s(runs: list[dict]) -> float:
+    return sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
+
+
+def speculative_tau(runs: list[dict]) -> float:
+    """Tokens committed per round over runs of a draft method (accepted draft tokens + the bonus token)."""
+    return 1.0 + sum(r["accepted"] for r in runs) / sum(r["rounds"] for r in runs)
+
+
 def summarize(method: str, runs: list[dict], reference: list[dict], target_bytes: int, draft_step_bytes: int,
               depth: int) -> dict:
     tokens = sum(len(r["tokens"]) for r in runs)
     seconds = sum(r["seconds"] for r in runs)
     out = dict(method=method, prompts=len(runs), new_tokens=tokens, seconds=round(seconds, 2),
-               tokens_per_s=tokens / seconds)
+               tokens_per_s=tokens_per_s(runs))
     identical = [r["tokens"] == ref["tokens"] for r, ref in zip(runs, reference)]
     out["identical_to_hf_greedy"] = f"{sum(identical)}/{len(runs)}"
     if runs[0]["rounds"] is not None:
         rounds = sum(r["rounds"] for r in runs)
-        accepted = sum(r["accepted"] for r in runs) if method != "plain" else 0
-        out["tau"] = 1.0 + accepted / rounds if method != "plain" else 1.0
+        out["tau"] = speculative_tau(runs) if method != "plain" else 1.0
         out["target_forwards"] = rounds + len(runs)  # rounds + one prefill per prompt
         draft_steps = 0 if method == "plain" else (rounds * depth[method] + len(runs))
         out["draft_s"] = round(sum(r["draft_s"] for r in runs), 2)
@@ -116,10 +124,9 @@ def by_category(runs: dict[str, list[dict]], categories: list[str]) -> dict[str,
         row = {}
         for method, method_runs in runs.items():
             chosen = [method_runs[i] for i in picked]
-            tokens = sum(len(r["tokens"]) for r in chosen)
-            entry = {"prompts": len(chosen), "tokens_per_s": tokens / sum(r["seconds"] for r in chosen)}
+            entry = {"prompts": len(chosen), "tokens_per_s": tokens_per_s(chosen)}
             if chosen[0]["rounds"] is not None and method != "plain":
-                entry["tau"] = 1.0 + sum(r["accepted"] for r in chosen) / sum(r["rounds"] for r in chosen)
+                entry["tau"] = speculative_tau(chosen)
             row[method] = entry
         if "hf_greedy" in row:
             for entry in row.values():

@@ -421,10 +421,10 @@ def warm_start(draft, folder: str) -> list[str]:
             continue
         if name == "lm_head.weight":
             old_row = torch.full((draft.config.target_vocab_size,), -1, dtype=torch.long, device=tensor.device)
-            old_ids = torch.arange(old.d2t.numel(), device=tensor.device) + old.d2t
-            old_row[old_ids] = torch.arange(old.d2t.numel(), device=tensor.device)
-            new_ids = torch.arange(draft.d2t.numel(), device=tensor.device) + draft.d2t.to(tensor.device)
-            rows = old_row[new_ids]
+            old_draft_ids = torch.arange(old.d2t.numel(), device=tensor.device)
+            old_row[old.draft_to_target(old_draft_ids)] = old_draft_ids
+            new_targets = draft.draft_to_target(torch.arange(draft.d2t.numel(), device=draft.d2t.device))
+            rows = old_row[new_targets.to(tensor.device)]
             shared = rows >= 0
             if tensor.shape[1] == ours[name].shape[1]:
                 ours[name][shared] = tensor[rows[shared]].to(ours[name].dtype)
