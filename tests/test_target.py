@@ -95,3 +95,52 @@ def test_cached_conversion_loads_identical_weights(smollm2):
     again, _ = load_target("smollm2-135m", device="cpu", dtype="float32")
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+_CONVERT = """
+import hashlib, sys
+from eagle_core.target import materialize_hf_folder
+folder = materialize_hf_folder("smollm2-135m")
+digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+print("RESULT", folder, digest)
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
+    """N processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
+    extraction actors start together) all succeed, agree on one folder with identical weights, and leave no
+    temporary folder behind; a stale temporary folder of a killed conversion is cleaned up."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "EAGLE3_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _CONVERT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(next(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT")))
+    assert len({tuple(r) for r in results}) == 1, results
+    folder = results[0][0]
+    leftovers = [p.name for p in (cache / "targets").iterdir() if ".tmp" in p.name]
+    assert leftovers == [], leftovers
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+
+
+@pytest.mark.slow
+def test_stale_temporary_folder_of_a_killed_conversion_is_removed(tmp_path, monkeypatch):
+    from eagle_core import target as target_mod
+
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    gguf = target_mod.smollm2_gguf_path()
+    out = tmp_path / "targets" / f"{gguf.stem}-{target_mod._file_digest(gguf)}"
+    stale = out.with_name(out.name + ".tmp_killed")
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # half-written by a process that died
+    assert materialize_hf_folder("smollm2-135m") == out
+    assert (out / "model.safetensors").is_file()
+    assert not stale.exists()
