@@ -52,6 +52,22 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}[str(dtype)]
 
 
+def cpu_has_native_bf16() -> bool:
+    """True where bf16 matrix work is native: a CUDA GPU with bf16, or a CPU with AVX512-BF16 or AMX.
+
+    On such CPUs a bf16 matmul costs a fraction of fp32 (and small-batch fp32 GEMMs cost ~2x a GEMV);
+    elsewhere bf16 is emulated and slower than fp32.
+    """
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
