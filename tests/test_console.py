@@ -1,0 +1,41 @@
+"""The newcomer's terminal: stage lines and results shown, library noise sent to the log file."""
+
+import subprocess
+import sys
+import textwrap
+
+from pipelines.console import tagged
+
+
+def test_tagged_strips_ray_worker_prefix_and_keeps_only_stage_lines():
+    assert tagged("(RayTrainWorker pid=123) [train] step 3/9 loss 1.0\n") == "[train] step 3/9 loss 1.0"
+    assert tagged("\x1b[36m(_Actor pid=9, ip=127.0.0.1)\x1b[0m [extract] shard 2\n") == "[extract] shard 2"
+    assert tagged("2026-12-01 INFO worker.py:1 -- Started a local Ray instance.\n") is None
+    assert tagged("UserWarning: [train] inside a warning\n") is None
+
+
+def test_quiet_terminal_shows_stages_and_logs_everything(tmp_path):
+    log = tmp_path / "demo.log"
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        from pipelines.console import quiet_terminal, say
+        with quiet_terminal({str(log)!r}):
+            say("=== 1/2 stage one")
+            print("INFO ray noise from the driver", flush=True)
+            sys.stderr.write("UserWarning: something\\n")
+            subprocess.run([sys.executable, "-c", "print('(Worker pid=1) [train] step 1/2 loss 0.5')"])
+            subprocess.run([sys.executable, "-c", "import os; os.write(2, b'C++ log line\\\\n')"])
+            say("[demo] result 1.23")
+            time.sleep(0.5)
+        print("after: back on the terminal")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    shown = out.stdout.splitlines()
+    assert shown == ["=== 1/2 stage one", "[train] step 1/2 loss 0.5", "[demo] result 1.23",
+                     "after: back on the terminal"], shown
+    assert out.stderr == ""
+    logged = log.read_text()
+    for line in ("INFO ray noise from the driver", "UserWarning: something", "C++ log line",
+                 "(Worker pid=1) [train] step 1/2 loss 0.5", "[demo] result 1.23"):
+        assert line in logged
