@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) jobs/demo.py
+	$(PY) -m jobs.demo
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -135,6 +135,20 @@ def download_version(name: str, version) -> str:
     return mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}")
 
 
+def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experiment: str = "eagle3-retrain",
+                          run_name: str = "register-draft") -> int:
+    """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
+    with `alias`; returns the new version."""
+    from pipelines import tracking
+
+    client = _client()
+    run_id = client.create_run(tracking.ensure_experiment(experiment), run_name=run_name).info.run_id
+    client.log_param(run_id, "source", str(folder))
+    client.log_artifacts(run_id, str(folder), "draft")
+    client.set_terminated(run_id)
+    return tracking.register_artifact(run_id, "draft", name, alias)
+
+
 def promote(name: str, version, new_tau: float, champion_tau: float | None, margin: float) -> bool:
     """Alias the new version `champion` when it beats the champion by `margin`; else `candidate`."""
     client = _client()
@@ -215,6 +229,8 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, to
     return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
             "tokens_per_s": new["tokens_per_s"], "plain_tokens_per_s": new["plain_tokens_per_s"],
             "speedup": new["speedup"], "champion_tau": champion_eval["tau"] if champion_eval else None,
+            "champion_speedup": champion_eval["speedup"] if champion_eval else None,
+            "champion_version": int(champion.version) if champion is not None else None,
             "reused_shards": len(manifest.get("reused_shards", [])), "shards": len(manifest["shards"]),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}
 
