@@ -49,8 +49,6 @@ def error_response(exc: BaseException) -> JSONResponse:
         return JSONResponse(P.error_body(f"invalid request: {exc.errors()[:1]}"), status_code=400)
     if isinstance(exc, ClientDisconnect):
         return JSONResponse(P.error_body("the client disconnected before sending the whole body"), status_code=400)
-    if isinstance(exc, RecursionError):  # nesting that got past the body checks
-        return JSONResponse(P.error_body("request is nested too deeply"), status_code=400)
     log.error("unexpected error answering a request", exc_info=exc)
     return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
