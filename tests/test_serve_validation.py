@@ -204,7 +204,9 @@ def test_unknown_route_and_wrong_method(live):
     with live.client() as c:
         assert_error(c.get("/v1/completions"), 405)
         assert_error(c.post("/v1/models"), 405)
+        before = requests_counted(c, "other").get("404", 0)
         assert_error(c.post("/v1/embeddings", json={"input": "hi", "model": MODEL}), 404)
+        assert requests_counted(c, "other")["404"] == before + 1  # answered outside a route, still counted
         assert_still_serving(c)
 
 
