@@ -10,7 +10,7 @@ OpenAI's newer name for `system` and is treated as one.
 
 Bodies are bounded (`max_body_bytes`, 413) and their nesting too (`MAX_JSON_DEPTH`, 400).
 Streams follow OpenAI's usage rule: usage comes only when `stream_options.include_usage` is true, and
-then only in one final chunk whose `choices` is empty (`UsageOnce`).
+then only in one final chunk whose `choices` is empty (`usage_once`).
 """
 
 from __future__ import annotations
