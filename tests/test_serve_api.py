@@ -11,7 +11,6 @@ refused with a 400 naming the field.
 import asyncio
 import json
 import re
-from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI, Request

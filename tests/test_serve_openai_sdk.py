@@ -113,8 +113,8 @@ def test_response_format_text_content_parts_and_developer_role(client, raw):
 
 
 def test_image_part_is_a_clean_400(client):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this image?"},
-                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this image?"}, image]}]
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, messages=messages)
     assert info.value.status_code == 400

@@ -184,7 +184,8 @@ def test_error_names_the_field(live):
         assert r.json()["error"]["param"] == "messages.0.content.1.type"
         r = c.post("/v1/chat/completions", json=chat(response_format={"type": "json_schema", "json_schema": {}}))
         assert r.json()["error"]["param"] == "response_format.type"
-        assert c.post("/v1/chat/completions", json=chat(tools=[{"type": "function"}])).json()["error"]["param"] == "tools"
+        r = c.post("/v1/chat/completions", json=chat(tools=[{"type": "function"}]))
+        assert r.json()["error"]["param"] == "tools"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
