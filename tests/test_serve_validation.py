@@ -3,6 +3,7 @@ error body that says what is wrong, and a valid request right after each still s
 stays up and is not left in a bad state)."""
 
 import json
+import re
 
 import pytest
 
@@ -90,6 +91,16 @@ CASES = [
     ("chat: max_completion_tokens 0", "/v1/chat/completions", chat(max_completion_tokens=0), 400),
     ("chat: logprobs", "/v1/chat/completions", chat(logprobs=True), 400),
     ("chat: n = 3", "/v1/chat/completions", chat(n=3), 400),
+    ("chat: image part", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+     400),
+    ("chat: empty content parts", "/v1/chat/completions", chat(messages=[{"role": "user", "content": []}]), 400),
+    ("chat: response_format json_object", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
+     400),
+    ("chat: tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    ("chat: tool_choice required", "/v1/chat/completions", chat(tool_choice="required"), 400),
+    ("nested 10 000 deep", "/v1/completions", b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400),
+    ("huge integer", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400),
     ("body over size limit", "/v1/completions", json.dumps(completions(prompt="x" * (1 << 20))).encode(), 413),
 ]
 
@@ -125,6 +136,40 @@ def test_battery_of_malformed_requests(live):
             assert_still_serving(c)
 
 
+def requests_counted(client, route: str) -> dict[str, float]:
+    """requests_total of one route from /metrics, by status code."""
+    text = client.get("/metrics").text
+    out = {}
+    for labels, value in re.findall(r'^eagle3_serve_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if labels.get("route") == route:
+            out[labels["code"]] = float(value)
+    return out
+
+
+def test_deep_nesting_and_huge_bodies_get_openai_errors_and_are_counted(live):
+    """Issue 17: depth 10 000 used to crash json.loads (a 500 outside the metrics); a 10 MB body must be
+    refused without being parsed. Each gets a 4xx OpenAI error, is counted in /metrics, and the server
+    answers the next request."""
+    deep = b'{"prompt": "hi", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    huge = json.dumps(completions(prompt="x" * (10 << 20))).encode()
+    with live.client() as c:
+        for body, status in ((deep, 400), (b"{" * 10_000, 400), (huge, 413)):
+            before = requests_counted(c, "completions")
+            r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+            assert_error(r, status)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            after = requests_counted(c, "completions")
+            assert after.get(str(status), 0) == before.get(str(status), 0) + 1
+            assert after.get("500", 0) == before.get("500", 0)
+            assert_still_serving(c)
+        deep_chat = json.dumps(chat(messages=[{"role": "user", "content": "hi", "name": None}])).encode()
+        deep_chat = deep_chat[:-1] + b', "metadata": ' + b"{\"a\": " * 5_000 + b"1" + b"}" * 5_000 + b"}"
+        before = requests_counted(c, "chat").get("400", 0)
+        assert_error(c.post("/v1/chat/completions", content=deep_chat), 400)
+        assert requests_counted(c, "chat")["400"] == before + 1
+
+
 def test_error_names_the_field(live):
     with live.client() as c:
         r = c.post("/v1/completions", json=completions(temperature="hot"))
@@ -133,6 +178,14 @@ def test_error_names_the_field(live):
         assert "bogus" in r.json()["error"]["message"]
         r = c.post("/v1/completions", json=completions(prompt=LONG_PROMPT))
         assert r.json()["error"]["code"] == "context_length_exceeded"
+        image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+        r = c.post("/v1/chat/completions", json=chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, image]}]))
+        assert r.json()["error"]["param"] == "messages.0.content.1.type"
+        r = c.post("/v1/chat/completions", json=chat(response_format={"type": "json_schema", "json_schema": {}}))
+        assert r.json()["error"]["param"] == "response_format.type"
+        r = c.post("/v1/chat/completions", json=chat(tools=[{"type": "function"}]))
+        assert r.json()["error"]["param"] == "tools"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
@@ -152,7 +205,9 @@ def test_unknown_route_and_wrong_method(live):
     with live.client() as c:
         assert_error(c.get("/v1/completions"), 405)
         assert_error(c.post("/v1/models"), 405)
+        before = requests_counted(c, "other").get("404", 0)
         assert_error(c.post("/v1/embeddings", json={"input": "hi", "model": MODEL}), 404)
+        assert requests_counted(c, "other")["404"] == before + 1  # answered outside a route, still counted
         assert_still_serving(c)
 
 
@@ -165,3 +220,9 @@ def test_valid_openai_client_fields_are_accepted(live):
         r = c.post("/v1/chat/completions", json=chat(model=MODEL, max_tokens=DROP, max_completion_tokens=3,
                                                      logprobs=False, user="me"))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        r = c.post("/v1/chat/completions", json=chat(
+            messages=[{"role": "developer", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
+            logit_bias={}, top_logprobs=0, store=False, metadata={"k": "v"}, modalities=["text"]))
+        assert r.status_code == 200, r.text

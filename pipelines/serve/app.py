@@ -9,6 +9,8 @@ GET /health (no auth: probes), GET /metrics (Prometheus text of this replica; no
 
 # No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods
 # (with string annotations, `request: Request` of a Serve ingress method turns into a query parameter).
+import contextlib
+import logging
 import os
 import time
 from dataclasses import fields
@@ -19,34 +21,129 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pipelines.serve import protocol as P
 from pipelines.serve.config import DeploymentOptions, ServeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
+
+# The `route` label of the request metrics; any other path counts as "other" (bounded label values).
+ROUTE_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models"}
+# This process's replica metrics, for errors answered outside a route (404, 405, ...): one replica per process.
+_REPLICA: dict = {}
+
+
+# ---- errors: every exception becomes an OpenAI error body with a fitting status ------------------------
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """Any exception -> {"error": {"message", "type", "param", "code"}} and its status; unexpected ones are
+    logged and answered 500 without internals."""
+    if isinstance(exc, P.ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+    if isinstance(exc, StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(P.error_body(str(exc.detail), kind), status_code=exc.status_code)
+    if isinstance(exc, RequestValidationError):
+        return JSONResponse(P.error_body(f"invalid request: {exc.errors()[:1]}"), status_code=400)
+    if isinstance(exc, ClientDisconnect):
+        return JSONResponse(P.error_body("the client disconnected before sending the whole body"), status_code=400)
+    log.error("unexpected error answering a request", exc_info=exc)
+    return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors raised outside the routes' own handling (unknown route, wrong method, ...) get the same body
+    and are counted in the replica's request metrics too."""
+
+    async def handler(request: Request, exc: Exception):
+        response = error_response(exc)
+        metrics = _REPLICA.get("metrics")
+        if metrics is not None:
+            metrics.on_response(ROUTE_LABELS.get(request.url.path, "other"), response.status_code)
+        return response
+
+    for kind in (P.ApiError, StarletteHTTPException, RequestValidationError, Exception):
+        app.add_exception_handler(kind, handler)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed max_bytes (never buffered beyond)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise P.body_too_large(max_bytes)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise P.body_too_large(max_bytes)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+class Routes:
+    """What the OpenAI routes do, over a `Service` (or anything with its interface): plain Python, so the
+    error mapping and the accounting are tested without Ray. Every request is counted once in the request
+    metrics, with the status it got (a stream: 200, or 500 when it failed mid-way)."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def _done(self, route: str, t0: float):
+        return lambda code: self.service.metrics.on_response(route, code, time.perf_counter() - t0)
+
+    async def generate(self, request: Request, route: str, schema, chat: bool) -> Response:
+        done = self._done(route, time.perf_counter())
+        try:
+            self.service.authorize(request.headers)
+            max_bytes = self.service.config.max_body_bytes
+            req = P.parse_request(await read_body(request, max_bytes), schema, max_bytes)
+            if req.stream:
+                outcome = {"code": 200}
+                events = await self.service.stream(req, chat, on_end=lambda code: outcome.update(code=code))
+                include_usage = req.stream_options is not None and req.stream_options.include_usage
+                return StreamingResponse(self._stream(events, include_usage, outcome, done),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            body = await self.service.complete(req, chat)
+        except Exception as exc:
+            response = error_response(exc)
+            done(response.status_code)
+            return response
+        done(200)
+        return JSONResponse(body)
+
+    @staticmethod
+    async def _stream(events, include_usage: bool, outcome: dict, done):
+        """The service's events under OpenAI's usage rule; a failure after the 200 went out is reported in
+        the stream (an error event) and counted as 500."""
+        try:
+            async for event in P.usage_once(events, include_usage):
+                yield event
+        except Exception as exc:
+            log.error("stream failed", exc_info=exc)
+            outcome["code"] = 500
+            yield P.sse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"))
+        finally:
+            with contextlib.suppress(Exception):
+                await events.aclose()  # runs the service's own cleanup now (cancels the engine row)
+            done(outcome["code"])
+
+    async def models(self, request: Request) -> Response:
+        done = self._done("models", time.perf_counter())
+        try:
+            self.service.authorize(request.headers)
+            body = self.service.models_body()
+        except Exception as exc:
+            response = error_response(exc)
+            done(response.status_code)
+            return response
+        done(200)
+        return JSONResponse(body)
+
 
 api = FastAPI(title="EAGLE-3 speculative decoding", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-@api.exception_handler(P.ApiError)
-async def _api_error(_request, exc: P.ApiError):
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_request, exc: StarletteHTTPException):
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(P.error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(_request, exc: RequestValidationError):
-    return JSONResponse(P.error_body(f"invalid request: {exc.errors()[:1]}"), status_code=400)
-
-
-@api.exception_handler(Exception)
-async def _unexpected(_request, exc: Exception):
-    return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+add_error_handlers(api)
 
 
 @serve.deployment(name="SpecDecode")
@@ -56,37 +153,20 @@ class SpecDecodeServer:
         from pipelines.serve.service import Service
 
         self.service = Service(ServeConfig.from_dict(config), use_ray_metrics=True)
-
-    async def _generate(self, request: Request, route: str, schema, chat: bool):
-        t0 = time.perf_counter()
-        metrics = self.service.metrics
-        try:
-            self.service.authorize(request.headers)
-            req = P.parse_request(await request.body(), schema, self.service.config.max_body_bytes)
-            if req.stream:
-                end = lambda code: metrics.on_response(route, code, time.perf_counter() - t0)  # noqa: E731
-                events = await self.service.stream(req, chat, on_end=end)
-                return StreamingResponse(events, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            body = await self.service.complete(req, chat)
-        except P.ApiError as exc:
-            metrics.on_response(route, exc.status, time.perf_counter() - t0)
-            return JSONResponse(exc.body(), status_code=exc.status)
-        metrics.on_response(route, 200, time.perf_counter() - t0)
-        return JSONResponse(body)
+        self.routes = Routes(self.service)
+        _REPLICA["metrics"] = self.service.metrics
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._generate(request, "completions", P.CompletionRequest, chat=False)
+        return await self.routes.generate(request, "completions", P.CompletionRequest, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, "chat", P.ChatCompletionRequest, chat=True)
+        return await self.routes.generate(request, "chat", P.ChatCompletionRequest, chat=True)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        self.service.authorize(request.headers)
-        return self.service.models_body()
+        return await self.routes.models(request)
 
     @api.get("/health")
     async def health(self):

@@ -58,6 +58,8 @@ class ServeMetrics:
         self.registry = prom.CollectorRegistry()
         self.depth = depth
         m = lambda *a, **k: _Metric(*a, registry=self.registry, use_ray=use_ray, **k)  # noqa: E731
+        # Every answered API request once, errors included (route: completions | chat | models | other;
+        # a stream counts when it ends: 200, or 500 when it failed after the status line went out).
         self.requests = m("counter", "requests", "HTTP requests by route and status code", ("route", "code"))
         self.latency = m("histogram", "request_latency_seconds", "end-to-end request latency", ("route",),
                          LATENCY_BUCKETS)
