@@ -17,8 +17,18 @@ def work_dir() -> Path:
     return path
 
 
+def default_tracking_uri() -> str:
+    return f"sqlite:///{work_dir() / 'mlflow.db'}"
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work_dir() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def uses_default_store() -> bool:
+    """True when runs go to our local SQLite store (`mlflow.set_tracking_uri` exports the variable itself,
+    so its mere presence does not mean the user chose a server)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") in (None, "", default_tracking_uri())
 
 
 def configure():
@@ -35,7 +45,7 @@ def ensure_experiment(name: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     artifact_location = None
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
+    if uses_default_store():  # else the server decides (e.g. its S3 artifact root)
         artifact_location = (work_dir() / "mlartifacts" / name).as_uri()
     try:
         return mlflow.create_experiment(name, artifact_location=artifact_location)
