@@ -1,4 +1,4 @@
-"""Training throughput: Ray Train (the `python -m jobs.train` job's loop) vs the bare eagle_core loop in one process.
+"""Training throughput: Ray Train (jobs/train.py's loop) vs the bare eagle_core loop in one process.
 
     python -m bench.train [--conversations 48 --max-length 256 --steps 24]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, ROOT, command, machine, write_json
+from bench.common import RESULTS, ROOT, command, write_json
 from pipelines.train import (
     TrainJobConfig,
     collate,
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         "what": "TTT training tokens/s (real tokens): Ray Train job (1 worker) vs bare eagle_core loop (1 process)",
         "command": command("train", argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "threads": args.threads, "device": "cpu", "line": machine(args.threads)},
+                    "threads": args.threads, "device": "cpu"},
         "setup": {"target": "smollm2-135m", "conversations": args.conversations, "max_length": args.max_length,
                   "tokens_per_batch": args.tokens_per_batch, "ttt_steps": args.ttt_steps,
                   "draft_vocab_size": args.draft_vocab_size, "steps": args.steps},
