@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, ROOT, command, write_json
+from bench.common import RESULTS, ROOT, add_draft_training_args, command, write_json
 from pipelines.train import (
     TrainJobConfig,
     collate,
@@ -117,11 +117,8 @@ def bench_ray(config: TrainJobConfig) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--steps", type=int, default=24)
+    add_draft_training_args(p, steps=24, max_length=256, ttt_steps=7, draft_vocab_size=32000)
     p.add_argument("--tokens-per-batch", type=int, default=2048)
-    p.add_argument("--ttt-steps", type=int, default=7)
-    p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--threads", type=int, default=2, help="torch threads in both setups (Ray: CPUs per worker)")
     p.add_argument("--work", default=str(ROOT / "work" / "bench-train"))
     p.add_argument("--out", default=str(RESULTS / "train.json"))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, ROOT, command, write_json
+from bench.common import RESULTS, ROOT, add_draft_training_args, command, write_json
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.target import default_device, materialize_hf_folder
 from eagle_core.ttt import TrainConfig, make_optimizer, ttt_forward, ttt_forward_naive
@@ -292,13 +292,11 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=420, help="seconds per (implementation, length) run")
     p.add_argument("--out", default=None)
     p.add_argument("--lm-head-init", action="store_true", help="compare lm_head initialisations instead")
-    p.add_argument("--steps", type=int, default=200)
+    add_draft_training_args(p, steps=200, max_length=128, ttt_steps=2, draft_vocab_size=512)
     p.add_argument("--n-train", type=int, default=6)
     p.add_argument("--n-eval", type=int, default=4)
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--ttt-steps", type=int, default=2)
-    p.add_argument("--draft-vocab-size", type=int, default=512)
-    p.add_argument("--variants", nargs="+", default=None, choices=list(LM_HEAD_VARIANTS), help="lm_head inits to run (default: all)")
+    p.add_argument("--variants", nargs="+", default=None, choices=list(LM_HEAD_VARIANTS),
+                   help="lm_head inits to run (default: all)")
     p.add_argument("--child", nargs=2, metavar=("IMPL", "LENGTH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warmup is None:
