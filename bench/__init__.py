@@ -1,0 +1,1 @@
+"""The project's benchmarks, run from the checkout: `python -m bench.<name>` (results in bench/results/)."""

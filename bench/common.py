@@ -1,0 +1,59 @@
+"""Pieces every benchmark shares: paths, the recorded command line, the machine line, result writing, prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+QUICK_DRAFT = ROOT / "work" / "drafts" / "smollm2-quick"
+
+
+def command(module: str, argv=None) -> str:
+    """The command line that reproduces this run, e.g. `python -m bench.decode --num-prompts 2`."""
+    args = argv if argv is not None else sys.argv[1:]
+    return " ".join([f"python -m bench.{module}", *map(str, args)]).rstrip()
+
+
+def machine(threads: int | None = None) -> str:
+    """`x86_64, 2 CPU cores, 2 torch threads` on CPU, `GPU <name>` on CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"GPU {torch.cuda.get_device_name(0)}"
+    line = f"{platform.machine()}, {os.cpu_count()} CPU cores"
+    return line + (f", {threads} torch threads" if threads else ", no GPU")
+
+
+def write_json(path, data, indent: int = 2) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent, default=str) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def write_markdown(path, text: str) -> Path:
+    """Writes `text` next to a result's JSON (same stem, .md) and prints it."""
+    path = Path(path).with_suffix(".md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text, flush=True)
+    return path
+
+
+def user_turn(text: str) -> list[dict]:
+    """One chat: a single user message."""
+    return [{"role": "user", "content": text}]
+
+
+def add_draft_training_args(p, *, steps: int, max_length: int, ttt_steps: int, draft_vocab_size: int) -> None:
+    """The flags of the benchmarks that train a draft: optimiser steps, conversation length, TTT steps, vocab."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--max-length", type=int, default=max_length)
+    p.add_argument("--ttt-steps", type=int, default=ttt_steps)
+    p.add_argument("--draft-vocab-size", type=int, default=draft_vocab_size)
