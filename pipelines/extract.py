@@ -411,31 +411,19 @@ def local_feature_batches(model, tokenizer, n: int, max_length: int, min_loss_to
     """Features of the first usable conversations of a corpus file, in this process (no Ray, no regeneration):
     one batch {input_ids, loss_mask, aux_hidden, last_hidden} per conversation with at least
     `min_loss_tokens` loss tokens, after skipping `skip` of them. For benchmarks, tests and quick drafts."""
-    from eagle_core.chat import TemplateError, tokenize_conversation
-    from eagle_core.target import capture_features
-    from pipelines.data import QuarantineError, iter_file_records, normalize_record, resolve_corpus_url
+    from itertools import islice
 
-    batches, usable = [], 0
-    for record, error, _ in iter_file_records(resolve_corpus_url(corpus)):
-        if error:
-            continue
-        try:
-            tok = tokenize_conversation(tokenizer, normalize_record(record)[0], max_length=max_length)
-        except (QuarantineError, TemplateError):
-            continue
-        if sum(tok.loss_mask) < min_loss_tokens:
-            continue
-        usable += 1
-        if usable <= skip:
-            continue
-        ids = torch.tensor([tok.input_ids])
+    from eagle_core.target import capture_features
+    from pipelines.distill import iter_usable
+
+    batches = []
+    for input_ids, loss_mask in islice(iter_usable(tokenizer, corpus, max_length, min_loss_tokens), skip, skip + n):
+        ids = torch.tensor([input_ids])
         feats = capture_features(model, ids)
-        batches.append(dict(input_ids=ids, loss_mask=torch.tensor([tok.loss_mask]),
+        batches.append(dict(input_ids=ids, loss_mask=torch.tensor([loss_mask]),
                             aux_hidden=feats.aux_hidden, last_hidden=feats.last_hidden))
         if progress and len(batches) % 20 == 0:
             print(f"[{progress}] features of {len(batches)} conversations", flush=True)
-        if len(batches) == n:
-            break
     return batches
 
 
