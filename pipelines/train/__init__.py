@@ -15,28 +15,31 @@ One concern a module:
     report.py       progress lines, per-step MLflow metrics, the plots
     driver.py       `run_train`: prepare the data, run the TorchTrainer, export, log and register the draft
     faults.py       tests only: kill a worker after a given step (EAGLE3_TRAIN_FAULT_AT_STEP)
+
+Importing the package imports none of them: the names below load their module on first use (PEP 562), so a
+Ray Data read task that unpickles `shards.read_planned_rows` imports pyarrow and fsspec, not torch.
 """
 
-from pipelines.train.batches import collate, decode_row, step_counts
-from pipelines.train.checkpoint import full_state
-from pipelines.train.collectives import all_reduce
-from pipelines.train.config import LM_HEAD_INITS, STRATEGIES, TrainJobConfig
-from pipelines.train.driver import CANDIDATE_ALIAS, prepare_data, run_train
-from pipelines.train.metrics import evaluate
-from pipelines.train.model import (
-    TTTObjective,
-    build_draft,
-    load_target_heads,
-    target_config,
-    vocab_from_counts,
-    warm_start,
-    wrap_objective,
-)
-from pipelines.train.plan import epoch_order, pack_batches, plan_steps, scan_features, split_heldout
+from __future__ import annotations
 
-__all__ = [
-    "CANDIDATE_ALIAS", "LM_HEAD_INITS", "STRATEGIES", "TTTObjective", "TrainJobConfig", "all_reduce", "build_draft",
-    "collate", "decode_row", "epoch_order", "evaluate", "full_state", "load_target_heads", "pack_batches",
-    "plan_steps", "prepare_data", "run_train", "scan_features", "split_heldout", "step_counts", "target_config",
-    "vocab_from_counts", "warm_start", "wrap_objective",
-]
+import importlib
+
+_EXPORTS = {
+    "batches": ["collate", "decode_row", "step_counts"],
+    "checkpoint": ["full_state"],
+    "collectives": ["all_reduce"],
+    "config": ["LM_HEAD_INITS", "STRATEGIES", "TrainJobConfig"],
+    "driver": ["CANDIDATE_ALIAS", "prepare_data", "run_train"],
+    "metrics": ["evaluate"],
+    "model": ["TTTObjective", "build_draft", "load_target_heads", "target_config", "vocab_from_counts", "warm_start",
+              "wrap_objective"],
+    "plan": ["epoch_order", "pack_batches", "plan_steps", "scan_features", "split_heldout"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -65,15 +65,17 @@ def train_loop(loop_config: dict) -> None:
     if not run.restored and run.batches.baseline_eval:
         held_out_eval(run)  # the untrained draft: the baseline of the held-out curves, logged at step 0
     while run.state["epoch"] < run.config.epochs:
-        epoch, done = run.state["epoch"], False
+        epoch, done, data_wait, asked = run.state["epoch"], False, 0.0, time.perf_counter()
         for step in run.batches.epoch(epoch, run.state):
+            data_wait += time.perf_counter() - asked  # time blocked on the data, not computing
             metrics = train_one_step(run, step.rows)
             run.state.update(step.position, step=run.state["step"] + 1)
             done = run.config.max_steps is not None and run.state["step"] >= run.config.max_steps
             after_step(run, metrics, checkpoint_now=not (step.last or done))
             if done:
                 break
-        metrics = held_out_eval(run)
+            asked = time.perf_counter()
+        metrics = held_out_eval(run, epoch_data_wait_s=data_wait)
         run.state.update(epoch=epoch + 1, step_in_epoch=0, rows_consumed=0)  # resuming from here starts the next
         save_and_report(run, {"step": run.state["step"], **metrics})
         if done:
@@ -143,13 +145,15 @@ def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
     maybe_fault(run.fault_at_step, step, run.rank, run.storage_dir)
 
 
-def held_out_eval(run: Run) -> dict:
-    """Evaluate the draft on this rank's held-out rows (summed over all ranks); log it."""
+def held_out_eval(run: Run, epoch_data_wait_s: float | None = None) -> dict:
+    """Evaluate the draft on this rank's held-out rows (summed over all ranks); log it with the epoch's data wait."""
     K = run.config.ttt_steps
     batches = (collate([decode_row(r, run.meta) for r in rows], run.meta, K, run.device)
                for rows in run.batches.held_out())
     metrics = evaluate(run.objective, run.draft, batches, run.head, K, run.config.step_decay, run.device)
     metrics["epoch"] = run.state["epoch"]
+    if epoch_data_wait_s is not None:
+        metrics["epoch_data_wait_s"] = epoch_data_wait_s
     run.mlflow.log(metrics, run.state["step"])
     if run.rank == 0:
         log_held_out(run.state["step"], metrics, K)

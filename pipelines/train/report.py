@@ -25,7 +25,8 @@ def log_step(step: int, total_steps: int, metrics: dict) -> None:
 
 def log_held_out(step: int, metrics: dict, ttt_steps: int) -> None:
     accs = [round(metrics[f"eval_acc_{k}"], 3) for k in range(ttt_steps)]
-    log.info("[train] step %d held-out: acc %s accept_length %.3f", step, accs, metrics["eval_accept_length"])
+    wait = f" (epoch's data wait {metrics['epoch_data_wait_s']:.1f}s)" if "epoch_data_wait_s" in metrics else ""
+    log.info("[train] step %d held-out: acc %s accept_length %.3f%s", step, accs, metrics["eval_accept_length"], wait)
 
 
 class RankZeroLogger:
