@@ -259,7 +259,8 @@ def _tiny_draft_and_batch(ttt_steps: int = 3):
     g = torch.Generator().manual_seed(1)
     B, L = 3, 12
     batch = dict(input_ids=torch.randint(0, 512, (B, L), generator=g),
-                 loss_mask=(torch.rand(B, L, generator=g) > 0.3).long(), attention_mask=torch.ones(B, L, dtype=torch.long),
+                 loss_mask=(torch.rand(B, L, generator=g) > 0.3).long(),
+                 attention_mask=torch.ones(B, L, dtype=torch.long),
                  aux_hidden=torch.randn(B, L, 192, generator=g), last_hidden=torch.randn(B, L, 64, generator=g))
     return draft, batch, target.lm_head.weight.detach()
 

@@ -80,7 +80,9 @@ def _stream_data(config: TrainJobConfig) -> tuple[dict, dict, dict, dict, str]:
 
 
 def prepare_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, dict]:
-    """(meta, plan, datasets, lineage) for either mode (planned datasets as per-rank lists); plan["total_steps"] drives the LR schedule."""
+    """(meta, plan, datasets, lineage) for either mode (planned datasets as per-rank lists).
+
+    plan["total_steps"] (the planned steps, capped by max_steps) drives the LR schedule."""
     meta, plan, per_rank, lineage, target = _stream_data(config) if config.streaming else _files_data(config, world)
     planned = sum(plan["steps_per_epoch"])
     plan["total_steps"] = min(planned, config.max_steps) if config.max_steps else planned
