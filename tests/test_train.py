@@ -365,3 +365,17 @@ def test_no_collective_bypasses_the_device_helper():
     offenders = [p.name for p in (REPO / "pipelines" / "train").glob("*.py")
                  if p.name != "collectives.py" and pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_a_read_task_imports_no_torch():
+    """Ray Data read tasks unpickle `read_planned_rows` (by reference: its module is imported in every fresh read
+    worker). Importing torch, eagle_core and transformers there cost seconds a worker on a busy small machine."""
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from pipelines.train.shards import read_planned_rows; "
+            "pickle.loads(pickle.dumps(read_planned_rows)); "
+            "print(sorted(m for m in ('torch', 'transformers', 'eagle_core', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]", out.stdout
