@@ -125,13 +125,16 @@ def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_pa
         assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
 
 
-def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path):
+def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path, monkeypatch):
     """SIGKILL the worker after step 4 (its last checkpoint is step 3), then rerun the CLI with --resume."""
     from jobs.train import main
+    from pipelines.train.faults import FAULT_ENV
 
     output = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, "4")  # test-only hook (pipelines/train/faults.py), not a job option
     with pytest.raises(Exception):  # the worker dies and max_failures=0: the run fails
-        run_train(job(features, output, fault_at_step=4))
+        run_train(job(features, output))
+    monkeypatch.delenv(FAULT_ENV)
     argv = ["--features", features, "--output", str(output), "--resume", "--epochs", "2", "--lr", "3e-3",
             "--warmup-steps", "2", "--tokens-per-batch", "160", "--ttt-steps", "3", "--draft-vocab-size", "256",
             "--eval-fraction", "0.2", "--checkpoint-every", "3", "--cpus-per-worker", "0.5",
@@ -198,7 +201,8 @@ def _fsdp_rank(rank: int, world: int, out: str) -> None:
     target = make_tiny_llama()
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(target, draft_vocab_size=128, ttt_steps=2)
-    objective = wrap_objective(TTTObjective(draft, autocast=False), "fsdp", world, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    objective = wrap_objective(TTTObjective(draft, autocast=False), "fsdp", world, cpu)
     cfg = TrainConfig(lr=1e-2, total_steps=5, ttt_steps=2)
     optimizer = make_optimizer(draft, cfg)
     scheduler = make_scheduler(optimizer, cfg)
@@ -211,9 +215,9 @@ def _fsdp_rank(rank: int, world: int, out: str) -> None:
     losses = []
     for _ in range(5):
         batch = with_targets({k: v[rank::world] for k, v in full.items()}, head, draft.d2t)
-        batch["step_denominators"] = (all_reduce(step_counts(batch, 2).double()) / world).float()
+        batch["step_denominators"] = (all_reduce(step_counts(batch, 2).double(), cpu) / world).float()
         metrics = train_step(draft, batch, head, optimizer, scheduler, cfg, forward=lambda _d, *a, **k: objective(*a, **k))
-        losses.append(float(all_reduce(torch.tensor([metrics["loss"]]))) / world)
+        losses.append(float(all_reduce(torch.tensor([metrics["loss"]]), cpu)) / world)
     model, _ = full_state(draft, objective, optimizer, world > 1)
     if rank == 0:
         weights = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items() if k not in
@@ -239,3 +243,139 @@ def test_fsdp_over_two_processes_follows_one_process(tmp_path):
     assert one_losses[-1] < one_losses[0]
     for name in one:
         assert torch.allclose(torch.from_numpy(one[name]), torch.from_numpy(two[name]), atol=1e-4), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# unit checks of the loop's pieces (no Ray): held-out weighting, log lines, collectives on the training device
+
+
+def _tiny_draft_and_batch(ttt_steps: int = 3):
+    from eagle_core.draft import Eagle3Draft
+    from eagle_core.target import make_tiny_llama
+
+    target = make_tiny_llama()
+    torch.manual_seed(0)
+    draft = Eagle3Draft.from_target(target, draft_vocab_size=128, ttt_steps=ttt_steps)
+    g = torch.Generator().manual_seed(1)
+    B, L = 3, 12
+    batch = dict(input_ids=torch.randint(0, 512, (B, L), generator=g),
+                 loss_mask=(torch.rand(B, L, generator=g) > 0.3).long(),
+                 attention_mask=torch.ones(B, L, dtype=torch.long),
+                 aux_hidden=torch.randn(B, L, 192, generator=g), last_hidden=torch.randn(B, L, 64, generator=g))
+    return draft, batch, target.lm_head.weight.detach()
+
+
+@pytest.mark.parametrize("decay", [0.5, 1.0])
+def test_heldout_loss_weights_ttt_steps_by_the_configured_decay(decay):
+    """eval_loss is the training objective on held-out rows: step k weighs step_decay**k (not a fixed 0.8**k)."""
+    from eagle_core.ttt import ttt_forward, with_targets
+    from pipelines.train import TTTObjective, evaluate
+
+    draft, batch, head = _tiny_draft_and_batch()
+    metrics = evaluate(TTTObjective(draft, autocast=False), draft, [dict(batch)], head, 3, decay, torch.device("cpu"))
+    assert metrics["eval_loss"] == pytest.approx(sum(decay ** k * metrics[f"eval_loss_{k}"] for k in range(3)))
+    with torch.no_grad():  # one batch: the held-out loss is exactly the objective trained with that decay
+        b = with_targets(dict(batch), head, draft.d2t)
+        out = ttt_forward(draft, b["input_ids"], b["loss_mask"], b["aux_hidden"], b["last_hidden"], head,
+                          attention_mask=b["attention_mask"], ttt_steps=3, step_decay=decay, targets=b["targets"])
+    assert metrics["eval_loss"] == pytest.approx(float(out.loss), rel=1e-5)
+
+
+def test_progress_lines_reach_the_driver_once(capsys, caplog, monkeypatch):
+    """A Ray Train worker patches `print` to log through the root logger and, as `sys.stdout` is wrapped there,
+    to print as well: a printed progress line reached the driver twice. Reproduce that worker and count."""
+    import builtins
+    import logging
+
+    from ray.train.v2._internal.logging.patch_print import redirected_print
+
+    from pipelines.train.report import log_held_out, log_step
+
+    caplog.set_level(logging.INFO)  # Ray Train's worker root logger: INFO, to the console
+    monkeypatch.setattr(builtins, "print", redirected_print)
+    log_step(3, 10, {"loss": 1.0, "acc_0": 0.5, "tokens_per_s": 100.0})
+    log_held_out(3, {"eval_acc_0": 0.25, "eval_accept_length": 1.25}, 1)
+    monkeypatch.undo()
+    printed = capsys.readouterr()
+    for line in ("[train] step 3/10 loss 1.0000", "[train] step 3 held-out: acc [0.25]"):
+        emitted = printed.out.count(line) + printed.err.count(line) + sum(line in m for m in caplog.messages)
+        assert emitted == 1, (line, printed, caplog.messages)
+
+
+@pytest.fixture
+def fake_two_rank_world(monkeypatch):
+    """torch.distributed says 2 ranks; every all_reduce records (tensor device, calling module, calling function)
+    and leaves the tensor as is (as if the other rank contributed zeros / the same maximum)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    calls = []
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        caller = inspect.currentframe().f_back
+        calls.append((t.device, caller.f_globals["__name__"], caller.f_code.co_name))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return calls
+
+
+def test_all_reduce_runs_on_the_training_device(fake_two_rank_world):
+    """The helper hands the collective a tensor on the device it is given, wherever the tensor was (nccl: cuda)."""
+    from pipelines.train import all_reduce
+
+    out = all_reduce(torch.ones(3), torch.device("meta"))  # a device no tensor here lives on
+    assert out.device.type == "meta" and [c[0].type for c in fake_two_rank_world] == ["meta"]
+
+
+def test_every_collective_of_the_loop_goes_through_the_device_helper(fake_two_rank_world):
+    """Step metrics, held-out evaluation, the streaming stop flag and held-out count: each collective is the
+    helper's, on the training device passed in."""
+    from pipelines.train import TTTObjective, evaluate
+    from pipelines.train.batches import StreamedBatches
+    from pipelines.train.metrics import global_step_metrics
+
+    device = torch.device("cpu")
+    draft, batch, head = _tiny_draft_and_batch(ttt_steps=2)
+    local = {"loss": 1.0, "loss_0": 0.6, "loss_1": 0.5, "acc_0": 0.5, "acc_1": 0.25, "tokens": 10, "lr": 0.1,
+             "grad_norm": 1.0}
+    assert global_step_metrics(local, 2, 2, device)["loss"] == 0.5
+    evaluate(TTTObjective(draft, autocast=False), draft, [batch], head, 2, 0.8, device)
+
+    class Stream:
+        def iter_rows(self):
+            return iter([{"id": f"c{i}", "input_ids": [1] * 8} for i in range(5)])
+
+    plan = {"eval_ids": ["c1"]}
+    batches = StreamedBatches(plan, tokens_per_batch=32, world=2, device=device, get_shard=lambda name: Stream())
+    steps = list(batches.epoch(0, {"rows_consumed": 0, "step_in_epoch": 0}))
+    assert [len(s.rows) for s in steps] == [2, 2] and len(list(batches.held_out())) == 1
+    assert len(fake_two_rank_world) == 1 + 1 + 3 + 1  # metrics, evaluation, 3 stop flags, held-out count
+    assert {c[1:] for c in fake_two_rank_world} == {("pipelines.train.collectives", "all_reduce")}
+    assert {c[0] for c in fake_two_rank_world} == {device}
+
+
+def test_no_collective_bypasses_the_device_helper():
+    """Only collectives.py calls torch.distributed's collectives (DDP/FSDP's own run on the model's device)."""
+    import re
+
+    pattern = re.compile(r"\b(dist|torch\.distributed)\.(all_reduce|all_gather\w*|broadcast\w*|reduce\w*|barrier)\(")
+    offenders = [p.name for p in (REPO / "pipelines" / "train").glob("*.py")
+                 if p.name != "collectives.py" and pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_a_read_task_imports_no_torch():
+    """Ray Data read tasks unpickle `read_planned_rows` (by reference: its module is imported in every fresh read
+    worker). Importing torch, eagle_core and transformers there cost seconds a worker on a busy small machine."""
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from pipelines.train.shards import read_planned_rows; "
+            "pickle.loads(pickle.dumps(read_planned_rows)); "
+            "print(sorted(m for m in ('torch', 'transformers', 'eagle_core', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,158 @@
+"""A rank's batches: one interface (`Batches`), a planned-files and a streamed implementation, and the
+decoding of feature rows into padded tensors.
+
+    for step in batches.epoch(epoch, state):   # this rank's rows of each optimiser step, from the resume point
+        ... step.rows, step.position (saved with checkpoints), step.last (the epoch's last step)
+    for rows in batches.held_out():            # this rank's rows of each held-out forward (same count on all ranks)
+
+Files (`PlannedBatches`): each rank reads its own planned share of every step (see `plan.py`, `shards.py`); a
+step may give a rank no rows (`collate` then makes a fully masked dummy row, so every rank runs the same
+forwards and collectives). Streamed (`StreamedBatches`): each rank batches the rows Ray Data streams to it by
+`tokens_per_batch / W` and sets the held-out ids aside; every rank stops as soon as any rank's stream runs
+dry. Which rank gets which streamed row is up to Ray Data, so resuming skips as many rows as were consumed
+but not the very same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from pipelines.train.collectives import all_reduce
+from pipelines.train.shards import EVAL_DATASET, train_dataset_name
+
+
+@dataclass
+class Step:
+    rows: list[dict]
+    position: dict  # the data position after this step ({step_in_epoch, rows_consumed}): saved with checkpoints
+    last: bool  # the epoch's last step (its checkpoint comes with the epoch's held-out evaluation)
+
+
+class Batches(Protocol):
+    baseline_eval: bool  # the held-out rows are known before training: evaluate the untrained draft too
+
+    def epoch(self, epoch: int, state: dict) -> Iterator[Step]: ...
+
+    def held_out(self) -> Iterator[list[dict]]: ...
+
+
+def planned_micro_batches(iterator, n_steps: int, start: int):
+    """(step, rows) for steps start..n_steps-1 from a rank's planned shard; rows of earlier steps are skipped."""
+    rows = iter(iterator.iter_rows()) if iterator is not None else iter(())
+    pending = next(rows, None)
+    for step in range(n_steps):
+        micro = []
+        while pending is not None and pending["step"] <= step:
+            if pending["step"] == step and step >= start:
+                micro.append(pending)
+            pending = next(rows, None)
+        if step >= start:
+            yield step, sorted(micro, key=lambda r: r["slot"])
+
+
+class PlannedBatches:
+    """Files mode: the rank's planned share of every step, read from its `train.<epoch>` / `eval` shards."""
+
+    baseline_eval = True
+
+    def __init__(self, plan: dict, get_shard: Callable):
+        self.plan, self.get_shard = plan, get_shard
+
+    def epoch(self, epoch: int, state: dict) -> Iterator[Step]:
+        n_steps = self.plan["steps_per_epoch"][epoch]
+        shard = self.get_shard(train_dataset_name(epoch))
+        for step, rows in planned_micro_batches(shard, n_steps, state["step_in_epoch"]):
+            yield Step(rows, {"step_in_epoch": step + 1}, last=step + 1 == n_steps)
+
+    def held_out(self) -> Iterator[list[dict]]:
+        return (rows for _, rows in planned_micro_batches(self.get_shard(EVAL_DATASET), self.plan["eval_steps"], 0))
+
+
+def streamed_micro_batches(iterator, tokens: int, eval_ids: set, held: list, skip_rows: int):
+    """(rows consumed, rows) batches of ~`tokens` real tokens from a streamed shard; held-out rows go to `held`."""
+    consumed, micro, size = 0, [], 0
+    for row in iterator.iter_rows():
+        consumed += 1
+        if consumed <= skip_rows:
+            continue
+        if row["id"] in eval_ids:
+            held.append(row)
+            continue
+        micro.append(row)
+        size += len(row["input_ids"])
+        if size >= tokens:
+            yield consumed, micro
+            micro, size = [], 0
+
+
+class StreamedBatches:
+    """Streaming mode: ~tokens_per_batch / W real tokens of the rows streamed to this rank per step."""
+
+    baseline_eval = False  # the held-out rows arrive with the stream
+
+    def __init__(self, plan: dict, tokens_per_batch: int, world: int, device, get_shard: Callable):
+        self.eval_ids, self.get_shard, self.device = set(plan["eval_ids"]), get_shard, device
+        self.tokens = max(tokens_per_batch // world, 1)
+        self.held: list[dict] = []
+
+    def epoch(self, epoch: int, state: dict) -> Iterator[Step]:
+        self.held = []
+        batches = streamed_micro_batches(self.get_shard("train"), self.tokens, self.eval_ids, self.held,
+                                         state["rows_consumed"])
+        step_in_epoch = state["step_in_epoch"]
+        while True:
+            got = next(batches, None)
+            # every rank steps together: stop as soon as any rank's stream runs dry
+            if float(all_reduce(torch.tensor([0.0 if got else 1.0]), self.device, op="max")[0]) > 0:
+                return
+            step_in_epoch += 1
+            yield Step(got[1], {"rows_consumed": got[0], "step_in_epoch": step_in_epoch}, last=False)
+
+    def held_out(self) -> Iterator[list[dict]]:
+        groups = [[r] for r in self.held]  # one streamed held-out row per forward
+        n = int(all_reduce(torch.tensor([float(len(groups))]), self.device, op="max")[0])
+        return iter(groups + [[] for _ in range(n - len(groups))])
+
+
+def decode_row(row: dict, meta: dict) -> dict:
+    from pipelines.extract import decode_hidden
+
+    h = meta["target_hidden_size"]
+    return {"id": row["id"], "slot": row.get("slot", 0),
+            "input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long),
+            "loss_mask": torch.as_tensor(row["loss_mask"], dtype=torch.long),
+            "aux_hidden": decode_hidden(row["aux_hidden"], meta["dtype"], 3 * h),
+            "last_hidden": decode_hidden(row["last_hidden"], meta["dtype"], h)}
+
+
+def collate(rows: list[dict], meta: dict, ttt_steps: int, device) -> dict:
+    """Right-pad rows to the longest: {input_ids, loss_mask, attention_mask [B, L], aux_hidden [B, L, 3H], ...}.
+
+    No rows (a rank with an empty share of a small global batch) gives one fully masked dummy row, so the
+    rank still runs the forward and backward every collective expects, contributing zero loss.
+    """
+    h, dtype = meta["target_hidden_size"], getattr(torch, meta["dtype"])
+    if not rows:
+        n = ttt_steps + 2
+        rows = [{"input_ids": torch.zeros(n, dtype=torch.long), "loss_mask": torch.zeros(n, dtype=torch.long),
+                 "aux_hidden": torch.zeros(n, 3 * h, dtype=dtype), "last_hidden": torch.zeros(n, h, dtype=dtype),
+                 "dummy": True}]
+    B, L = len(rows), max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "loss_mask": torch.zeros(B, L, dtype=torch.long),
+             "attention_mask": torch.zeros(B, L, dtype=torch.long),
+             "aux_hidden": torch.zeros(B, L, 3 * h, dtype=dtype), "last_hidden": torch.zeros(B, L, h, dtype=dtype)}
+    for b, r in enumerate(rows):
+        n = len(r["input_ids"])
+        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            batch[key][b, :n] = r[key]
+        batch["attention_mask"][b, :n] = 0 if r.get("dummy") else 1
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def step_counts(batch: dict, ttt_steps: int) -> torch.Tensor:
+    """[K] loss positions of each TTT step in this batch (what `ttt_forward` counts: mask[t + k + 2])."""
+    mask = (batch["loss_mask"] * batch["attention_mask"]).float()
+    return torch.stack([mask[:, k + 2:].sum() for k in range(ttt_steps)])

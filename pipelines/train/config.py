@@ -1,0 +1,81 @@
+"""The job's configuration: one validated dataclass (it is also the CLI, see jobs/train.py, and the MLflow params)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from eagle_core.ttt import TrainConfig
+
+STRATEGIES = ("ddp", "fsdp")
+LM_HEAD_INITS = ("random", "target")
+
+
+@dataclass
+class TrainJobConfig:
+    features: str | None = None  # an extraction output URL (features mode)
+    corpus: str | None = None  # streaming mode: a corpus URL ('sharegpt' = embedded); `extract` holds the rest
+    extract: dict = field(default_factory=dict)  # ExtractConfig fields for streaming (target/output excluded)
+    output: str = "work/train"
+    target: str | None = None  # None: the manifest's target (features mode); required when streaming
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    strategy: str = "ddp"  # "fsdp" shards draft, gradients and optimiser state (large drafts)
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimiser steps (None: all epochs)
+    lr: float = 1e-4
+    warmup_steps: int | None = None  # None: warmup_ratio of the planned steps
+    warmup_ratio: float = 0.03
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    tokens_per_batch: int = 8192  # real tokens per optimiser step, over all workers together
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    draft_vocab_size: int = 32000
+    lm_head_init: str = "random"
+    eval_fraction: float = 0.05
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    resume: bool = False
+    max_failures: int = 0  # worker failures Ray Train recovers from (restarting from the last checkpoint)
+    seed: int = 0
+    log_every: int = 10  # progress lines on rank 0 (MLflow gets every step)
+    run_name: str | None = None  # None: "train-<output folder name>"
+    mlflow_experiment: str | None = "eagle3-train"
+    registered_model_name: str | None = "eagle3-draft"
+    init_from: str | None = None  # warm start: a draft folder whose weights seed this draft where shapes agree
+
+    def __post_init__(self):
+        if (self.features is None) == (self.corpus is None):
+            raise ValueError("give exactly one of features (an extraction output) or corpus (streaming)")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.lm_head_init not in LM_HEAD_INITS:
+            raise ValueError(f"lm_head_init must be one of {LM_HEAD_INITS}, got {self.lm_head_init!r}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError("eval_fraction must be in [0, 1)")
+        if self.corpus is not None and self.target is None:
+            raise ValueError("streaming from a corpus needs --target")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def name(self) -> str:
+        return self.run_name or f"train-{os.path.basename(self.output.rstrip('/')) or 'run'}"
+
+    @property
+    def streaming(self) -> bool:
+        return self.corpus is not None
+
+    def train_config(self, total_steps: int) -> TrainConfig:
+        warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total_steps)
+        return TrainConfig(lr=self.lr, weight_decay=self.weight_decay, warmup_steps=warmup, total_steps=total_steps,
+                           min_lr_ratio=self.min_lr_ratio, max_grad_norm=self.max_grad_norm,
+                           step_decay=self.step_decay, ttt_steps=self.ttt_steps)
+
+
+def join_url(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])

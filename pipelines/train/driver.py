@@ -1,0 +1,239 @@
+"""The driver: prepare the data (either mode), start the TorchTrainer, then export, log and register the draft.
+
+Resume: rerun with the same output (`resume=True`): Ray Train v2 restores the run `RunConfig(name,
+storage_path)` and `ray.train.get_checkpoint()` hands the workers the latest checkpoint; a worker that
+dies mid-run is restarted from it too (`max_failures`).
+
+MLflow: params (incl. the features manifest's sha256 and extraction run id) here; per-step and held-out
+metrics from rank 0 (see `loop.py`); then the exported draft (both layouts), the loss-curve and
+acceptance-per-position PNGs, and a new version of `registered_model_name` with alias `candidate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import fsspec
+
+from pipelines.train.config import TrainJobConfig, join_url
+from pipelines.train.faults import fault_step_from_env
+from pipelines.train.model import count_trainable, target_config, vocab_from_counts
+from pipelines.train.plan import make_plan, scan_features, split_heldout, stream_first_pass
+from pipelines.train.report import write_plots
+from pipelines.train.shards import build_planned_datasets, planned_shards_config
+
+CANDIDATE_ALIAS = "candidate"
+
+
+def manifest_digest(features: str) -> str:
+    with fsspec.open(join_url(features, "manifest.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, dict, str]:
+    """Features mode: the plan, the per-rank planned datasets, and the manifest's lineage and sizes."""
+    from pipelines.extract import load_manifest
+
+    manifest = load_manifest(config.features)
+    train_rows, eval_rows = split_heldout(scan_features(config.features), config.eval_fraction)
+    plan = make_plan(train_rows, eval_rows, config, world)
+    plan.update(mode="files", train_rows=len(train_rows), eval_rows=len(eval_rows))
+    per_rank = build_planned_datasets(plan, world)
+    del plan["train"], plan["eval"]  # the datasets carry them; the workers need the counts only
+    lineage = {"target": manifest["target"], "features": config.features,
+               "features_manifest_sha256": manifest_digest(config.features),
+               "features_mlflow_run_id": manifest.get("mlflow_run_id"),
+               "target_weights_hash": manifest.get("target_weights_hash"),
+               "aux_layer_ids": manifest["aux_layer_ids"]}
+    meta = {k: manifest[k] for k in ("target_hidden_size", "target_vocab_size", "dtype")}
+    meta["token_counts"] = manifest["token_counts"]
+    return meta, plan, per_rank, lineage, config.target or manifest["target"]
+
+
+def _stream_data(config: TrainJobConfig) -> tuple[dict, dict, dict, dict, str]:
+    """Streaming mode: a tokenising first pass for the vocabulary and step count; the feature stream itself."""
+    from eagle_core.target import default_aux_layer_ids, weights_fingerprint
+    from pipelines.extract import ExtractConfig, stream_features
+
+    extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target,
+                               "output": join_url(config.output, "stream"), "mlflow_experiment": None})
+    first = stream_first_pass(config, extract)
+    steps = max(first["train_tokens"] // config.tokens_per_batch, 1)
+    plan = {"mode": "stream", "steps_per_epoch": [steps] * config.epochs, "eval_ids": first["eval_ids"],
+            "tokens_per_epoch": first["train_tokens"], "train_rows": first["rows"] - len(first["eval_ids"]),
+            "eval_rows": len(first["eval_ids"])}
+    tc = target_config(config.target)
+    lineage = {"target": config.target, "features": f"stream:{config.corpus}",
+               "target_weights_hash": weights_fingerprint(config.target),
+               "aux_layer_ids": extract.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)}
+    dtype = extract.dtype if extract.dtype != "auto" else ("bfloat16" if config.use_gpu else "float32")
+    meta = {"target_hidden_size": tc.hidden_size, "target_vocab_size": tc.vocab_size, "dtype": dtype,
+            "token_counts": first["token_counts"]}
+    return meta, plan, {"train": stream_features(extract)}, lineage, config.target
+
+
+def prepare_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, dict]:
+    """(meta, plan, datasets, lineage) for either mode (planned datasets as per-rank lists).
+
+    plan["total_steps"] (the planned steps, capped by max_steps) drives the LR schedule."""
+    meta, plan, per_rank, lineage, target = _stream_data(config) if config.streaming else _files_data(config, world)
+    planned = sum(plan["steps_per_epoch"])
+    plan["total_steps"] = min(planned, config.max_steps) if config.max_steps else planned
+    meta["target"] = target
+    return meta, plan, per_rank, lineage
+
+
+def _run_state_file(config: TrainJobConfig) -> str:
+    return join_url(config.output, "train_run.json")
+
+
+def _previous_run(config: TrainJobConfig) -> dict | None:
+    fs, path = fsspec.core.url_to_fs(_run_state_file(config))
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rt") as f:
+        return json.load(f)
+
+
+def _write_run_state(config: TrainJobConfig, info: dict) -> None:
+    fs, path = fsspec.core.url_to_fs(_run_state_file(config))
+    fs.makedirs(os.path.dirname(path), exist_ok=True)
+    with fs.open(path, "wt") as f:
+        json.dump(info, f, indent=1)
+
+
+def storage_path(config: TrainJobConfig) -> str:
+    """Ray Train's storage: `<output>/ray` (set explicitly: the default is ~/ray_results)."""
+    out = config.output if "://" in config.output else str(Path(config.output).resolve())
+    return join_url(out, "ray")
+
+
+def _mlflow_params(config: TrainJobConfig, plan: dict, lineage: dict, world: int, n_trainable: int) -> dict:
+    params = {k: v for k, v in config.to_dict().items() if v is not None and k != "extract"}
+    params.update({f"extract.{k}": v for k, v in config.extract.items() if v is not None})
+    params.update({k: v for k, v in lineage.items() if v is not None})
+    params.update(world_size=world, total_steps=plan["total_steps"], steps_per_epoch=plan["steps_per_epoch"][0],
+                  train_rows=plan["train_rows"], eval_rows=plan["eval_rows"], draft_trainable_params=n_trainable)
+    return {k: str(v)[:6000] for k, v in params.items()}
+
+
+def _start_mlflow_run(config: TrainJobConfig, plan: dict, lineage: dict, world: int, n_trainable: int) -> str:
+    from pipelines import tracking
+
+    with tracking.start_run(config.mlflow_experiment, run_name=config.name) as run:
+        mlflow = tracking.configure()
+        mlflow.log_params(_mlflow_params(config, plan, lineage, world, n_trainable))
+        mlflow.set_tags({"features_manifest_sha256": lineage.get("features_manifest_sha256", ""),
+                         "features_mlflow_run_id": lineage.get("features_mlflow_run_id") or "",
+                         "stage": "train"})
+        return run.info.run_id
+
+
+def _trainer(config: TrainJobConfig, loop_config: dict, data: dict):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.train.loop import train_loop
+
+    planned = {name: shares for name, shares in data.items() if isinstance(shares, list)}
+    datasets = {name: shares[0] if isinstance(shares, list) else shares for name, shares in data.items()}
+    resources = {"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})}
+    return TorchTrainer(
+        train_loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name=config.name, storage_path=storage_path(config),
+                             checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
+                             failure_config=FailureConfig(max_failures=config.max_failures)),
+        datasets=datasets,
+        dataset_config=planned_shards_config(planned),
+    )
+
+
+def run_train(config: TrainJobConfig) -> dict:
+    """Train (or resume) a draft on the connected Ray cluster; returns a summary (also `<output>/summary.json`)."""
+    from pipelines import tracking
+
+    started = time.perf_counter()
+    world = config.num_workers
+    previous = _previous_run(config)
+    if previous and not config.resume:
+        raise FileExistsError(f"{config.output} already holds a training run ({previous.get('name')}); pass "
+                              "--resume to continue it, or choose another --output")
+    meta, plan, data, lineage = prepare_data(config, world)
+    tconfig = target_config(meta["target"])
+    d2t, _ = vocab_from_counts(meta.pop("token_counts"), tconfig.vocab_size, config.draft_vocab_size)
+    run_id = (previous or {}).get("mlflow_run_id")
+    if config.mlflow_experiment and run_id is None:
+        run_id = _start_mlflow_run(config, plan, lineage, world, count_trainable(config, tconfig))
+    _write_run_state(config, {"name": config.name, "mlflow_run_id": run_id, "num_workers": world})
+    lineage["train_mlflow_run_id"] = run_id
+    loop_config = {"job": config.to_dict(), "meta": meta, "plan": plan, "d2t": d2t.tolist(),
+                   "target": meta["target"], "lineage": lineage, "mlflow_run_id": run_id,
+                   "tracking_uri": tracking.tracking_uri() if run_id else None,
+                   "storage_dir": join_url(storage_path(config), config.name),
+                   "fault_at_step": fault_step_from_env()}  # tests only (faults.py)
+    result = _trainer(config, loop_config, data).fit()
+    summary = finish_run(config, result, run_id, meta["target"])
+    summary.update(seconds=time.perf_counter() - started, total_steps=plan["total_steps"],
+                   train_rows=plan["train_rows"], eval_rows=plan["eval_rows"], mlflow_run_id=run_id,
+                   lineage=lineage, world_size=world)
+    with fsspec.open(join_url(config.output, "summary.json"), "wt") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return summary
+
+
+def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) -> dict:
+    """Export the last checkpoint's draft (both layouts), log it with the plots, register a version."""
+    from pipelines import tracking
+
+    if result.checkpoint is None:
+        raise RuntimeError(f"training produced no checkpoint: {result.error}")
+    draft_dir, spec_dir = Path(_local(config.output)) / "draft", Path(_local(config.output)) / "draft-speculators"
+    with result.checkpoint.as_directory() as ckpt:
+        state = json.loads((Path(ckpt) / "state.json").read_text())
+        export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target)
+    summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
+               "checkpoint": result.checkpoint.path, "draft": str(draft_dir), "draft_speculators": str(spec_dir),
+               "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
+    if not run_id:
+        return summary
+    mlflow = tracking.configure()
+    with tracking.start_run(config.mlflow_experiment, run_id=run_id):
+        mlflow.log_artifacts(str(draft_dir), "draft")
+        mlflow.log_artifacts(str(spec_dir), "draft-speculators")
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in write_plots(mlflow.tracking.MlflowClient(), run_id, config.ttt_steps, Path(tmp)):
+                mlflow.log_artifact(str(path), "plots")
+        mlflow.log_metric("final_step", state["step"])
+        if config.registered_model_name:
+            version = tracking.register_artifact(run_id, "draft", config.registered_model_name, CANDIDATE_ALIAS)
+            summary.update(registered_model=config.registered_model_name, model_version=version)
+    return summary
+
+
+def _local(url: str) -> str:
+    if "://" in url and not url.startswith("file://"):
+        raise ValueError("the exported draft is written next to the job; give a local --output for now")
+    return url.removeprefix("file://")
+
+
+def export_draft(checkpoint_draft: Path, draft_dir: Path, spec_dir: Path, target: str) -> None:
+    """The checkpoint's `save_draft` folder as-is (vLLM/SGLang layout) and re-exported in the speculators layout."""
+    from eagle_core.checkpoint import export_speculators, load_draft
+
+    if draft_dir.exists():
+        shutil.rmtree(draft_dir)
+    shutil.copytree(checkpoint_draft, draft_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # shared target embeddings are not part of either export
+        draft = load_draft(draft_dir)
+    export_speculators(draft, spec_dir, verifier=target)

@@ -1,0 +1,173 @@
+"""The per-worker training loop of the TorchTrainer (read it top to bottom: `train_loop`).
+
+The TTT loss of a rank is normalised by the *global* per-step position counts (all-reduced first, see
+`ttt_forward(step_denominators=...)`), so DDP's averaged gradient equals one process training on the whole
+global batch: 1 worker and W workers follow the same trajectory, up to float rounding.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, with_targets
+from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row, step_counts
+from pipelines.train.checkpoint import full_state, is_sharded, restore_state, restore_trainer, save_checkpoint
+from pipelines.train.collectives import all_reduce, world_info
+from pipelines.train.config import TrainJobConfig
+from pipelines.train.faults import maybe_fault
+from pipelines.train.metrics import evaluate, global_step_metrics
+from pipelines.train.model import TTTObjective, build_draft, load_target_heads, target_config, wrap_objective
+from pipelines.train.report import RankZeroLogger, log_held_out, log_step
+
+
+def initial_state() -> dict:
+    """The run's position, saved with every checkpoint (state.json)."""
+    return {"step": 0, "epoch": 0, "step_in_epoch": 0, "rows_consumed": 0, "restored_from": []}
+
+
+@dataclass
+class Run:
+    """Everything one worker trains with; `state` is what a checkpoint saves of the run's position."""
+
+    config: TrainJobConfig
+    tcfg: TrainConfig
+    meta: dict
+    plan: dict
+    rank: int
+    world: int
+    device: torch.device
+    head: torch.Tensor  # the target's lm_head (float32)
+    draft: torch.nn.Module
+    objective: torch.nn.Module  # the draft's TTT forward, wrapped for DDP/FSDP
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sharded: bool
+    batches: Batches
+    mlflow: RankZeroLogger
+    storage_dir: str
+    fault_at_step: int | None = None  # tests only, see faults.py
+    state: dict = field(default_factory=lambda: initial_state())
+
+    @property
+    def restored(self) -> bool:
+        return bool(self.state["restored_from"])
+
+
+def train_loop(loop_config: dict) -> None:
+    """Set up (or restore), evaluate the untrained draft, then epochs of steps, each ending in an evaluation
+    and a checkpoint; `max_steps` may stop the run early."""
+    run = setup(loop_config)
+    if not run.restored and run.batches.baseline_eval:
+        held_out_eval(run)  # the untrained draft: the baseline of the held-out curves, logged at step 0
+    while run.state["epoch"] < run.config.epochs:
+        epoch, done, data_wait, asked = run.state["epoch"], False, 0.0, time.perf_counter()
+        for step in run.batches.epoch(epoch, run.state):
+            data_wait += time.perf_counter() - asked  # time blocked on the data, not computing
+            metrics = train_one_step(run, step.rows)
+            run.state.update(step.position, step=run.state["step"] + 1)
+            done = run.config.max_steps is not None and run.state["step"] >= run.config.max_steps
+            after_step(run, metrics, checkpoint_now=not (step.last or done))
+            if done:
+                break
+            asked = time.perf_counter()
+        metrics = held_out_eval(run, epoch_data_wait_s=data_wait)
+        run.state.update(epoch=epoch + 1, step_in_epoch=0, rows_consumed=0)  # resuming from here starts the next
+        save_and_report(run, {"step": run.state["step"], **metrics})
+        if done:
+            break
+
+
+def setup(loop_config: dict) -> Run:
+    """Target heads, draft (restored from Ray Train's latest checkpoint if any), wrapping, optimiser, batches."""
+    import ray.train
+    import ray.train.torch
+
+    config, meta, plan = TrainJobConfig(**loop_config["job"]), loop_config["meta"], loop_config["plan"]
+    rank, world = world_info()
+    device = ray.train.torch.get_device()
+    heads = load_target_heads(loop_config["target"], device)
+    d2t = torch.tensor(loop_config["d2t"])
+    t2d = torch.zeros(meta["target_vocab_size"], dtype=torch.bool)
+    t2d[torch.arange(len(d2t)) + d2t] = True
+    draft = build_draft(config, target_config(loop_config["target"]), heads, d2t, t2d, loop_config["lineage"])
+    state = initial_state()
+    latest = ray.train.get_checkpoint()
+    restore_dir = Path(latest.to_directory()) if latest is not None else None
+    if restore_dir is not None:
+        restore_state(draft, restore_dir, state)
+    sharded = is_sharded(config.strategy, world)
+    objective = wrap_objective(TTTObjective(draft, autocast=device.type == "cuda"), config.strategy, world, device)
+    tcfg = config.train_config(plan["total_steps"])
+    optimizer = make_optimizer(draft, tcfg)  # after wrapping: FSDP swaps the parameters for sharded ones
+    scheduler = make_scheduler(optimizer, tcfg)
+    if restore_dir is not None:
+        restore_trainer(objective, optimizer, scheduler, restore_dir, sharded)
+    if plan["mode"] == "files":
+        batches = PlannedBatches(plan, ray.train.get_dataset_shard)
+    else:
+        batches = StreamedBatches(plan, config.tokens_per_batch, world, device, ray.train.get_dataset_shard)
+    return Run(config=config, tcfg=tcfg, meta=meta, plan=plan, rank=rank, world=world, device=device,
+               head=heads["lm_head"], draft=draft, objective=objective, optimizer=optimizer, scheduler=scheduler,
+               sharded=sharded, batches=batches, state=state, storage_dir=loop_config["storage_dir"],
+               mlflow=RankZeroLogger(loop_config["tracking_uri"], loop_config["mlflow_run_id"], rank == 0),
+               fault_at_step=loop_config.get("fault_at_step"))
+
+
+def train_one_step(run: Run, rows: list[dict]) -> dict:
+    """One optimiser step on this rank's rows of the global batch; the global metrics of the step."""
+    started = time.perf_counter()
+    K = run.config.ttt_steps
+    batch = collate([decode_row(r, run.meta) for r in rows], run.meta, K, run.device)
+    batch = with_targets(batch, run.head, run.draft.d2t)  # float32, outside autocast
+    counts = all_reduce(step_counts(batch, K).double(), run.device)
+    batch["step_denominators"] = (counts.clamp(min=1) / run.world).float()
+    forward = lambda _draft, *a, **k: run.objective(*a, **k)  # noqa: E731  (train_step's hook)
+    local = train_step(run.draft, batch, run.head, run.optimizer, run.scheduler, run.tcfg, forward=forward)
+    metrics = global_step_metrics(local, K, run.world, run.device)
+    metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - started, 1e-9)
+    return metrics
+
+
+def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
+    """Log the step (MLflow every step, a progress line every `log_every`), checkpoint every `checkpoint_every`."""
+    step = run.state["step"]
+    metrics["epoch"] = run.state["epoch"]
+    run.mlflow.log(metrics, step)
+    if run.rank == 0 and (step % run.config.log_every == 0 or step == 1):
+        log_step(step, run.plan["total_steps"], metrics)
+    if checkpoint_now and step % run.config.checkpoint_every == 0:
+        save_and_report(run, {"step": step, "loss": metrics["loss"]})
+    maybe_fault(run.fault_at_step, step, run.rank, run.storage_dir)
+
+
+def held_out_eval(run: Run, epoch_data_wait_s: float | None = None) -> dict:
+    """Evaluate the draft on this rank's held-out rows (summed over all ranks); log it with the epoch's data wait."""
+    K = run.config.ttt_steps
+    batches = (collate([decode_row(r, run.meta) for r in rows], run.meta, K, run.device)
+               for rows in run.batches.held_out())
+    metrics = evaluate(run.objective, run.draft, batches, run.head, K, run.config.step_decay, run.device)
+    metrics["epoch"] = run.state["epoch"]
+    if epoch_data_wait_s is not None:
+        metrics["epoch_data_wait_s"] = epoch_data_wait_s
+    run.mlflow.log(metrics, run.state["step"])
+    if run.rank == 0:
+        log_held_out(run.state["step"], metrics, K)
+    return metrics
+
+
+def save_and_report(run: Run, metrics: dict) -> None:
+    """`ray.train.report` the metrics with a checkpoint of the run (written by rank 0)."""
+    import ray.train
+
+    model, optim = full_state(run.draft, run.objective, run.optimizer, run.sharded)  # a collective under FSDP
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = None
+        if run.rank == 0:
+            save_checkpoint(model, optim, run.scheduler, run.state, Path(tmp))
+            ckpt = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint-{run.state['step']:07d}")

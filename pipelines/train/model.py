@@ -1,0 +1,161 @@
+"""The models on a worker: the target's heads, the draft (built, warm-started) and the TTT objective wrapped
+for data parallelism (DDP or FSDP2)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle_core.ttt import ttt_forward
+from pipelines.train.config import TrainJobConfig
+
+
+def load_target_heads(target: str, device, dtype=torch.float32) -> dict:
+    """The target's input embeddings, lm_head and final norm only (no decoder layers are loaded)."""
+    from safetensors import safe_open
+
+    from eagle_core.target import materialize_hf_folder
+
+    folder = Path(materialize_hf_folder(target))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        where = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as s:
+                where.update({k: f.name for k in s.keys()})
+
+    def get(name):
+        with safe_open(str(folder / where[name]), "pt") as s:
+            return s.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed = get("model.embed_tokens.weight")
+    head = get("lm_head.weight") if "lm_head.weight" in where else embed  # tied embeddings
+    return {"embed": embed, "lm_head": head, "norm": get("model.norm.weight")}
+
+
+def target_config(target: str):
+    from transformers import AutoConfig
+
+    from eagle_core.target import materialize_hf_folder
+
+    return AutoConfig.from_pretrained(materialize_hf_folder(target))
+
+
+def vocab_from_counts(token_counts: dict, target_vocab_size: int, draft_vocab_size: int):
+    from eagle_core.vocab import TokenCounter, build_vocab_mapping
+
+    counter = TokenCounter(target_vocab_size)
+    if token_counts:
+        ids = torch.tensor([int(k) for k in token_counts])
+        counter.merge(torch.zeros(target_vocab_size, dtype=torch.long).index_put_(
+            (ids,), torch.tensor(list(token_counts.values()), dtype=torch.long)))
+    return build_vocab_mapping(counter, min(draft_vocab_size, target_vocab_size))
+
+
+def draft_config(config: TrainJobConfig, tconfig, aux_layer_ids=None):
+    from eagle_core.draft import DraftConfig
+
+    return DraftConfig.from_target(tconfig, draft_vocab_size=config.draft_vocab_size, ttt_steps=config.ttt_steps,
+                                   lm_head_init=config.lm_head_init, aux_layer_ids=aux_layer_ids)
+
+
+def count_trainable(config: TrainJobConfig, tconfig) -> int:
+    from eagle_core.draft import Eagle3Draft
+
+    with torch.device("meta"):
+        return Eagle3Draft(draft_config(config, tconfig)).num_trainable()
+
+
+def build_draft(config: TrainJobConfig, tconfig, heads: dict, d2t, t2d, lineage: dict):
+    from eagle_core.draft import Eagle3Draft
+
+    cfg = draft_config(config, tconfig, lineage.get("aux_layer_ids"))
+    cfg.extra = {k: v for k, v in lineage.items() if k != "aux_layer_ids"}
+    torch.manual_seed(config.seed)  # every rank builds the same initial draft
+    draft = Eagle3Draft(cfg, heads["embed"] if cfg.embeds_from_target else None).to(heads["embed"].device)
+    draft.set_vocab(d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))
+    if cfg.lm_head_init == "target":
+        draft.init_lm_head_from_target(heads["lm_head"], heads["norm"])
+    if config.init_from:
+        warm_start(draft, config.init_from)
+    return draft
+
+
+@torch.no_grad()
+def warm_start(draft, folder: str) -> list[str]:
+    """Seed `draft` with an earlier draft's weights: every tensor of the same shape, and the lm_head rows of the
+    target tokens both draft vocabularies hold (the vocab moves as the corpus grows). Returns what was copied;
+    nothing when the aux layers or the target differ (different features: a fresh start is the honest one)."""
+    from eagle_core.checkpoint import load_draft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its shared target embeddings are not needed here
+        old = load_draft(folder, device=draft.fc.weight.device)
+    same_features = (list(old.config.aux_layer_ids) == list(draft.config.aux_layer_ids)
+                     and old.config.target_hidden_size == draft.config.target_hidden_size
+                     and old.config.target_vocab_size == draft.config.target_vocab_size)
+    if not same_features:
+        print(f"[train] not warm-starting from {folder}: it was trained on other target features", flush=True)
+        return []
+    ours, copied = draft.state_dict(), []
+    for name, tensor in old.state_dict().items():
+        if name in ("d2t", "t2d") or name.startswith("embed_tokens") or name not in ours:
+            continue
+        if name == "lm_head.weight":
+            if tensor.shape[1] == ours[name].shape[1]:
+                _copy_shared_vocab_rows(old, draft, tensor, ours[name])
+                copied.append(name)
+        elif ours[name].shape == tensor.shape:
+            ours[name].copy_(tensor)
+            copied.append(name)
+    return copied
+
+
+def _copy_shared_vocab_rows(old, draft, old_head: torch.Tensor, new_head: torch.Tensor) -> None:
+    """new_head[i] = old_head[j] wherever draft token i and old draft token j are the same target token."""
+    old_row = torch.full((draft.config.target_vocab_size,), -1, dtype=torch.long, device=old_head.device)
+    old_draft_ids = torch.arange(old.d2t.numel(), device=old_head.device)
+    old_row[old.draft_to_target(old_draft_ids)] = old_draft_ids
+    new_targets = draft.draft_to_target(torch.arange(draft.d2t.numel(), device=draft.d2t.device))
+    rows = old_row[new_targets.to(old_head.device)]
+    shared = rows >= 0
+    new_head[shared] = old_head[rows[shared]].to(new_head.dtype)
+
+
+class TTTObjective(nn.Module):
+    """`ttt_forward` as a module's forward: DDP/FSDP sync gradients only for losses computed inside it.
+
+    bf16 autocast on CUDA wraps the draft's compute; the target distribution is precomputed in float32
+    outside it (`with_targets`), and the draft's logits and losses are float32 by construction.
+    """
+
+    def __init__(self, draft, autocast: bool):
+        super().__init__()
+        self.draft = draft
+        self.autocast = autocast
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            return ttt_forward(self.draft, *args, **kwargs)
+
+
+def wrap_objective(objective: TTTObjective, strategy: str, world: int, device):
+    """DDP (gloo on CPU, nccl on GPU: Ray Train sets the backend) or FSDP2 over the objective; as-is alone."""
+    if world == 1:
+        return objective
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit: the draft's submodules are called from ttt_forward, never through their own forward,
+        # so only the root's forward hook is sure to gather the parameters (one decoder layer: little to overlap).
+        return fully_shard(objective)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(objective, device_ids=ids)

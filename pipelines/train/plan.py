@@ -1,0 +1,140 @@
+"""The plan (driver side, light columns only): held-out split, epoch order, global batches, rank shares.
+
+Features mode: every optimiser step of every epoch is planned up front, independently of the number of
+workers, from the `id` and `input_ids` columns of the Parquet shards:
+  - held-out split: the `eval_fraction` of conversations whose id hash is smallest (stable across runs);
+  - epoch order: the shards in a seeded permutation, the rows of each shard in a seeded permutation (reads
+    stay shard-sequential, nothing is shuffled through the object store);
+  - global batches: consecutive rows up to `tokens_per_batch` real tokens (one optimiser step);
+  - each global batch is split over the W ranks, longest rows first onto the least loaded rank.
+Streaming mode: `stream_first_pass` only tokenises the corpus (no target forward) for the draft vocabulary,
+the step count and the held-out ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+
+import fsspec
+import pyarrow.parquet as pq
+
+from pipelines.train.config import TrainJobConfig, join_url
+
+
+def id_hash(conversation_id: str) -> str:
+    return hashlib.sha256(conversation_id.encode()).hexdigest()
+
+
+def scan_features(features: str) -> list[dict]:
+    """One light record per feature row: {id, file, row, length} (reads the id and input_ids columns only)."""
+    fs, path = fsspec.core.url_to_fs(join_url(features, "features"))
+    files = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".parquet"))
+    rows = []
+    for f in files:
+        with fs.open(f, "rb") as handle:
+            table = pq.read_table(handle, columns=["id", "input_ids"])
+        url = fs.unstrip_protocol(f)  # fs.ls drops the protocol; the readers may run on other nodes
+        for i, (cid, ids) in enumerate(zip(table["id"].to_pylist(), table["input_ids"].to_pylist())):
+            rows.append({"id": cid, "file": url, "row": i, "length": len(ids)})
+    return rows
+
+
+def split_heldout(rows: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, eval): the ceil(fraction * n) rows with the smallest id hash are held out; at least one trains."""
+    n_eval = min(math.ceil(eval_fraction * len(rows)), max(len(rows) - 1, 0)) if eval_fraction > 0 else 0
+    held = {r["id"] for r in sorted(rows, key=lambda r: id_hash(r["id"]))[:n_eval]}
+    return [r for r in rows if r["id"] not in held], [r for r in rows if r["id"] in held]
+
+
+def epoch_order(rows: list[dict], seed: int, epoch: int) -> list[dict]:
+    """Shards in a seeded permutation, rows of each shard permuted too: random enough, reads stay sequential."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    by_file: dict[str, list[dict]] = {}
+    for r in rows:
+        by_file.setdefault(r["file"], []).append(r)
+    files = sorted(by_file)
+    rng.shuffle(files)
+    ordered = []
+    for f in files:
+        group = sorted(by_file[f], key=lambda r: r["row"])
+        rng.shuffle(group)
+        ordered += group
+    return ordered
+
+
+def pack_batches(rows: list[dict], tokens_per_batch: int) -> list[list[dict]]:
+    """Consecutive rows up to `tokens_per_batch` real tokens each (a longer row is a batch by itself)."""
+    batches, current, tokens = [], [], 0
+    for r in rows:
+        if current and tokens + r["length"] > tokens_per_batch:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(r)
+        tokens += r["length"]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def split_over_ranks(batch: list[dict], world: int) -> list[list[dict]]:
+    """Longest rows first onto the rank with the fewest tokens (ties: fewer rows, lower rank); deterministic."""
+    shares = [[] for _ in range(world)]
+    load = [(0, 0, r) for r in range(world)]
+    for row in sorted(batch, key=lambda r: -r["length"]):
+        tokens, count, rank = min(load)
+        shares[rank].append(row)
+        load[rank] = (tokens + row["length"], count + 1, rank)
+    return shares
+
+
+def plan_steps(batches: list[list[dict]], world: int) -> list[list[dict]]:
+    """Per rank, its plan rows {file, row, step, slot}: read order (file by file), `slot` = order in its micro-batch."""
+    per_rank = [[] for _ in range(world)]
+    position = {}
+    for step, batch in enumerate(batches):
+        for r in batch:
+            position[(r["file"], r["row"])] = len(position)
+        for rank, share in enumerate(split_over_ranks(batch, world)):
+            per_rank[rank] += [{"file": r["file"], "row": r["row"], "step": step, "slot": slot}
+                               for slot, r in enumerate(share)]
+    for entries in per_rank:
+        entries.sort(key=lambda e: position[(e["file"], e["row"])])
+    return per_rank
+
+
+def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobConfig, world: int) -> dict:
+    """Steps per epoch and, per rank, the plan rows of every epoch and of the held-out split."""
+    epochs = [pack_batches(epoch_order(train_rows, config.seed, e), config.tokens_per_batch)
+              for e in range(config.epochs)]
+    eval_batches = pack_batches(sorted(eval_rows, key=lambda r: id_hash(r["id"])), config.tokens_per_batch)
+    return {
+        "steps_per_epoch": [len(b) for b in epochs],
+        "eval_steps": len(eval_batches),
+        "train": [plan_steps(b, world) for b in epochs],  # [epoch][rank] -> entries
+        "eval": plan_steps(eval_batches, world),  # [rank] -> entries
+        "tokens_per_epoch": sum(r["length"] for r in train_rows),
+    }
+
+
+def stream_first_pass(config: TrainJobConfig, extract_config) -> dict:
+    """Token counts and lengths of the corpus after the chat template and loss mask (no target forward)."""
+    from transformers import AutoTokenizer
+
+    from eagle_core.features import tokenize_for_training
+    from eagle_core.target import materialize_hf_folder
+    from pipelines.data import ingest
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_hf_folder(config.target))
+    rows = ingest(extract_config.corpus, limit=extract_config.limit).dataset.take_all()
+    tokenized, _ = tokenize_for_training(tokenizer, rows, extract_config.max_length)
+    counts: dict[int, int] = {}
+    for _, ids, mask in tokenized:
+        for t, m in zip(ids, mask):
+            if m:
+                counts[t] = counts.get(t, 0) + 1
+    light = [{"id": cid, "length": len(ids)} for cid, ids, _ in tokenized]
+    train, held = split_heldout(light, config.eval_fraction)
+    return {"token_counts": counts, "rows": len(light), "tokens": sum(r["length"] for r in light),
+            "eval_ids": sorted(r["id"] for r in held), "train_tokens": sum(r["length"] for r in train)}
