@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from decode_helpers import random_prompts, single_thread  # noqa: F401 (autouse fixture)
-from eagle_core.generate import generate, prefill
+from eagle_core.decoding import prefill
+from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import tree_from_parents
