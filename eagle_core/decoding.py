@@ -26,7 +26,7 @@ import torch
 
 from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, target_forward
 from eagle_core.tree import Tree, TreeConfig, draft_tree
-from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
+from eagle_core.verify import SamplingConfig, accept, sample_next, seed_words, verify_tree
 
 MODES = ("tree", "chain", "plain")
 
@@ -87,15 +87,19 @@ def draft_prefill(draft, dkv: DraftKV, aux: torch.Tensor, ids: torch.Tensor, len
     return draft_extend(draft, dkv, aux, next_tokens, lengths)
 
 
-def plain_step(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConfig, generators,
+def plain_step(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConfig, seeds=None,
                aux_layer_ids: list[int] | None = None):
-    """Plain decoding step: token [B] (not yet in the cache) -> (next token [B], its aux [B, 1, 3H] or None)."""
+    """Plain decoding step: token [B] (not yet in the cache) -> (next token [B], its aux [B, 1, 3H] or None).
+
+    The token sits at position kv.lengths; the next one, drawn here, at kv.lengths + 1.
+    """
     b = token.shape[0]
     past_width = kv.width
+    positions = kv.lengths + 1
     ones = torch.ones(b, 1, 1, dtype=torch.bool, device=token.device)
     hidden, aux = target_forward(target, kv, token[:, None], kv.lengths[:, None], ones, aux_layer_ids)
     kv.keep_new_(past_width, torch.zeros(b, 1, dtype=torch.long, device=token.device), torch.ones_like(token))
-    return sample_next(target.get_output_embeddings()(hidden[:, 0]), sampling, generators), aux
+    return sample_next(target.get_output_embeddings()(hidden[:, 0]), sampling, seeds, positions), aux
 
 
 @dataclass
@@ -111,15 +115,15 @@ class RoundOutput:
 
 
 def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
-                       tree_config: TreeConfig, sampling: SamplingConfig, generators, aux_layer_ids) -> RoundOutput:
+                       tree_config: TreeConfig, sampling: SamplingConfig, seeds, aux_layer_ids) -> RoundOutput:
     """One round: draft a tree from the root, verify it in one target forward, keep the accepted path."""
     device = root.device
     t0 = clock(device)
     tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
     t1 = clock(device)
-    past_width = kv.width
+    past_width, root_positions = kv.width, kv.lengths
     logits, aux = verify_tree(target, kv, tree, aux_layer_ids)  # [B, N, V], [B, N, 3H]
-    acc = accept(tree, logits, sampling, generators)
+    acc = accept(tree, logits, sampling, seeds, root_positions)
     kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
     t2 = clock(device)
     # The path's features go to the draft, each paired with the token that follows it on the path
@@ -161,13 +165,14 @@ class DecodingState:
     """
 
     def __init__(self, target, draft, sampling: SamplingConfig, tree: TreeConfig | None, kv: TargetKV,
-                 dkv: DraftKV | None, root: torch.Tensor, draft_hidden: torch.Tensor | None, generators):
+                 dkv: DraftKV | None, root: torch.Tensor, draft_hidden: torch.Tensor | None,
+                 seeds: torch.Tensor | None):
         self.target, self.draft, self.sampling, self.tree = target, draft, sampling, tree
         self.aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         self.kv, self.dkv = kv, dkv
         self.root = root  # [B] last committed token, not yet in the target's cache
         self.draft_hidden = draft_hidden  # [B, 1, H] the draft's output paired with the root
-        self.generators = generators  # one torch.Generator per row, None when greedy
+        self.seeds = seeds  # [B, 2] sampling seed words per row (`verify.seed_words`), None when greedy
         # Plain steps defer the draft's cache update: their target features and tokens wait here
         # ([B, 1, 3H] and [B, 1] per step) until a tree/chain round needs the draft.
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -177,22 +182,22 @@ class DecodingState:
                 tree: TreeConfig | None = None, seeds: list[int] | None = None) -> tuple["DecodingState", Step]:
         """Prompts through the target (and their features into the draft); the Step holds each first token.
 
-        seeds: one per row, for sampling (ignored when greedy).
+        seeds: one per row, for sampling (ignored when greedy). A row's tokens are a function of its prompt,
+        the sampling settings and its seed alone: the token at absolute position t uses the noise of
+        (seed, t) (`verify.sample_tokens`), whichever mode, draft or batch decodes it.
         """
         device = target.get_input_embeddings().weight.device
         t0 = clock(device)
-        generators = None
-        if not sampling.greedy:
-            generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        seed_tensor = None if sampling.greedy else seed_words(seeds, device)
         kv = TargetKV(len(prompts), device)
         aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
-        root = sample_next(logits, sampling, generators)  # [B]
+        root = sample_next(logits, sampling, seed_tensor, lengths)  # [B], at positions len(prompt)
         dkv, draft_hidden = None, None
         if draft is not None:
             dkv = DraftKV(len(prompts), device)
             draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
-        state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, generators)
+        state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seed_tensor)
         return state, Step("prefill", [[t] for t in root.tolist()], None, 0.0, clock(device) - t0)
 
     @property
@@ -212,7 +217,7 @@ class DecodingState:
         caught_up = self.catch_up_draft_()
         catch_up_s = clock(self.device) - t0 if caught_up else 0.0
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
-                                 self.sampling, self.generators, self.aux_layer_ids)
+                                 self.sampling, self.seeds, self.aux_layer_ids)
         self.root, self.draft_hidden = out.root, out.draft_hidden
         accept_lengths = out.accept_length.tolist()
         tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
@@ -221,7 +226,7 @@ class DecodingState:
     def _plain_step(self) -> Step:
         """With a draft, the step's features are kept (deferred) so that trees can resume later."""
         t0 = clock(self.device)
-        nxt, aux = plain_step(self.target, self.kv, self.root, self.sampling, self.generators, self.aux_layer_ids)
+        nxt, aux = plain_step(self.target, self.kv, self.root, self.sampling, self.seeds, self.aux_layer_ids)
         if self.draft is not None:
             # Feature of the root's position pairs with the token after it (EAGLE's pairing, as in prefill).
             self.pending.append((aux, nxt[:, None]))
@@ -251,8 +256,8 @@ class DecodingState:
         if self.dkv is not None:
             self.dkv.select_rows_(idx)
             self.draft_hidden = self.draft_hidden[idx]
-        if self.generators is not None:
-            self.generators = [self.generators[i] for i in keep]
+        if self.seeds is not None:
+            self.seeds = self.seeds[idx]
 
     def merge_(self, other: "DecodingState") -> None:
         """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
@@ -263,5 +268,5 @@ class DecodingState:
             self.draft_hidden = torch.cat([self.draft_hidden, other.draft_hidden])
         self.kv.merge_(other.kv)
         self.root = torch.cat([self.root, other.root])
-        if self.generators is not None:
-            self.generators += other.generators
+        if self.seeds is not None:
+            self.seeds = torch.cat([self.seeds, other.seeds])

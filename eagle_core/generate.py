@@ -121,8 +121,9 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
-    TreeConfig()). temperature 0 is greedy; otherwise every request samples with its own generator seeded
-    `seed + i`, so a request's sample does not depend on what it is batched with. eos_token_id: an id or
+    TreeConfig()). temperature 0 is greedy; otherwise request i samples with seed `seed + i`, and its
+    tokens are a function of (prompt, sampling settings, seed) alone: the same with or without a draft,
+    with any tree, and whatever it is batched with. eos_token_id: an id or
     a list of ids that end a request (included in its tokens); stop: strings that end it (needs tokenizer).
     on_round(round_output, request_indices): called after every speculative round (instrumentation).
     """

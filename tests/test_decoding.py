@@ -1,6 +1,7 @@
 """The decoding state that `generate` and the serving engine both drive: plain steps of a speculative batch
 defer the draft's update exactly; rows join and leave; the engine (no Ray) switching tree/chain/plain per
-round while requests join mid-flight still returns plain greedy decoding for every request."""
+round while requests join mid-flight still returns plain decoding for every request -- greedy, and sampled:
+a seed means the same tokens with or without speculation, in any mode and any batch."""
 
 import threading
 
@@ -45,13 +46,18 @@ def damped():
     return damped_tiny_llama(0.8, dtype=torch.float64, seed=3)
 
 
+SAMPLINGS = [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, top_k=50)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 @torch.inference_mode()
-def test_mixed_modes_select_and_merge_equal_plain_greedy(damped):
+def test_mixed_modes_select_and_merge_equal_plain(damped, sampling):
     """Rows decoded with a different mode every round, some leaving and a new group joining mid-way."""
     prompts = random_prompts(5, 512, seed=5)
-    plain = generate(damped, prompts, max_new_tokens=40).tokens
-    draft, greedy = echo_draft(damped), SamplingConfig()
-    state, step = DecodingState.prefill(damped, draft, prompts[:3], greedy, TreeConfig(3, 4, 10))
+    plain = generate(damped, prompts, max_new_tokens=40, temperature=sampling.temperature, top_p=sampling.top_p,
+                     top_k=sampling.top_k, seed=100).tokens  # row i samples with seed 100 + i
+    draft = echo_draft(damped)
+    state, step = DecodingState.prefill(damped, draft, prompts[:3], sampling, TreeConfig(3, 4, 10), [100, 101, 102])
     rows = [0, 1, 2]
     out = {i: list(t) for i, t in zip(rows, step.tokens)}
     modes = ["tree", "plain", "plain", "chain", "plain", "tree", "tree", "chain"] * 4
@@ -60,7 +66,7 @@ def test_mixed_modes_select_and_merge_equal_plain_greedy(damped):
             state.select_rows_([0, 2])
             rows = [0, 2]
         if r == 3:  # two new requests join (after deferred plain steps of the old rows)
-            new, first = DecodingState.prefill(damped, draft, prompts[3:], greedy, TreeConfig(3, 4, 10))
+            new, first = DecodingState.prefill(damped, draft, prompts[3:], sampling, TreeConfig(3, 4, 10), [103, 104])
             state.merge_(new)
             rows += [3, 4]
             out.update({i: list(t) for i, t in zip([3, 4], first.tokens)})
@@ -79,12 +85,16 @@ class _Tokenizer:
         return "".join(f"<{t}>" for t in tokens)
 
 
-def test_engine_auto_modes_and_admission_equal_plain_greedy(damped):
-    """The engine without Ray: auto policy (every mode measured), requests arriving while others decode."""
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_engine_auto_modes_and_admission_equal_plain(damped, sampling):
+    """The engine without Ray: auto policy (every mode measured), requests arriving while others decode;
+    three extra copies of the first request (same seed) get its tokens whatever their rounds' modes."""
     from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
 
     prompts = random_prompts(6, 512, seed=9)
-    plain = generate(damped, prompts, max_new_tokens=16).tokens
+    plain = generate(damped, prompts, max_new_tokens=16, temperature=sampling.temperature, top_p=sampling.top_p,
+                     top_k=sampling.top_k, seed=100).tokens
+    prompts, plain, seeds = prompts + prompts[:1] * 3, plain + plain[:1] * 3, list(range(100, 106)) + [100] * 3
     engine = Engine(damped, _Tokenizer(), echo_draft(damped),
                     EngineConfig(TreeConfig(3, 4, 10), max_batch_size=4, max_waiting=8, explore_every=2))
     done, finished = {}, threading.Semaphore(0)
@@ -98,7 +108,7 @@ def test_engine_auto_modes_and_admission_equal_plain_greedy(damped):
 
     try:
         for i, p in enumerate(prompts):
-            engine.submit(GenerationRequest(p, 16, SamplingConfig(), on_event(i)))
+            engine.submit(GenerationRequest(p, 16, sampling, on_event(i), seed=seeds[i]))
         for _ in prompts:
             assert finished.acquire(timeout=120)
     finally:
