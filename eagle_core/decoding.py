@@ -26,7 +26,7 @@ import torch
 
 from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, target_forward
 from eagle_core.tree import Tree, TreeConfig, draft_tree
-from eagle_core.verify import SamplingConfig, accept, sample_next, seed_words, verify_tree
+from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
 
 MODES = ("tree", "chain", "plain")
 
@@ -166,13 +166,13 @@ class DecodingState:
 
     def __init__(self, target, draft, sampling: SamplingConfig, tree: TreeConfig | None, kv: TargetKV,
                  dkv: DraftKV | None, root: torch.Tensor, draft_hidden: torch.Tensor | None,
-                 seeds: torch.Tensor | None):
+                 seeds: list[int] | None):
         self.target, self.draft, self.sampling, self.tree = target, draft, sampling, tree
         self.aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         self.kv, self.dkv = kv, dkv
         self.root = root  # [B] last committed token, not yet in the target's cache
         self.draft_hidden = draft_hidden  # [B, 1, H] the draft's output paired with the root
-        self.seeds = seeds  # [B, 2] sampling seed words per row (`verify.seed_words`), None when greedy
+        self.seeds = seeds  # the sampling seed of every row, None when greedy
         # Plain steps defer the draft's cache update: their target features and tokens wait here
         # ([B, 1, 3H] and [B, 1] per step) until a tree/chain round needs the draft.
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -188,16 +188,16 @@ class DecodingState:
         """
         device = target.get_input_embeddings().weight.device
         t0 = clock(device)
-        seed_tensor = None if sampling.greedy else seed_words(seeds, device)
+        seeds = None if sampling.greedy else list(seeds)
         kv = TargetKV(len(prompts), device)
         aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
-        root = sample_next(logits, sampling, seed_tensor, lengths)  # [B], at positions len(prompt)
+        root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)
         dkv, draft_hidden = None, None
         if draft is not None:
             dkv = DraftKV(len(prompts), device)
             draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
-        state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seed_tensor)
+        state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seeds)
         return state, Step("prefill", [[t] for t in root.tolist()], None, 0.0, clock(device) - t0)
 
     @property
@@ -257,7 +257,7 @@ class DecodingState:
             self.dkv.select_rows_(idx)
             self.draft_hidden = self.draft_hidden[idx]
         if self.seeds is not None:
-            self.seeds = self.seeds[idx]
+            self.seeds = [self.seeds[i] for i in keep]
 
     def merge_(self, other: "DecodingState") -> None:
         """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
@@ -269,4 +269,4 @@ class DecodingState:
         self.kv.merge_(other.kv)
         self.root = torch.cat([self.root, other.root])
         if self.seeds is not None:
-            self.seeds = torch.cat([self.seeds, other.seeds])
+            self.seeds = self.seeds + other.seeds

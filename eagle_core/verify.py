@@ -9,10 +9,11 @@ Greedy acceptance: follow the children whose token equals the target's argmax at
 as one exists; the bonus is the argmax at the last accepted node. Output = plain greedy decoding.
 
 Sampling: every position's randomness is a function of (seed, absolute position) alone (Gumbel noise
-from a counter-based hash, `gumbel_noise`), so a token is the target's *noisy* argmax at its parent and
-sampling acceptance is greedy acceptance on noisy logits (`accept_sampling`, with the proof). A seeded
-request therefore yields the same tokens whether it is decoded plain, with chains or with trees, whatever
-the draft and whatever it is batched with.
+from a generator seeded by a hash of the pair, `gumbel_noise`), so a token is the target's *noisy* argmax
+at its parent and sampling acceptance is greedy acceptance on noisy logits (`accept_sampling`, with the
+proof). A seeded request therefore yields the same tokens whether it is decoded plain, with chains or with
+trees, whatever the draft and whatever it is batched with (on one device type: CPU and CUDA generators
+draw different streams).
 """
 
 from __future__ import annotations
@@ -62,45 +63,39 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 
 # ---- counter-based randomness: the noise of a position depends on (seed, position) only ----------------------
 
-_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32), without int64 overflow (16-bit halves of c)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with full avalanche (Wellons' lowbias32) on int64 tensors holding uint32."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def position_seed(seed: int, position: int) -> int:
+    """The seed of one position's noise: a hash of (seed, absolute position), in [0, 2^63)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
 
 
-def seed_words(seeds: list[int], device) -> torch.Tensor:
-    """Python seeds (any int) -> [B, 2] int64 words (low, high 32 bits of seed mod 2^64)."""
-    words = [[(s % 2 ** 64) & _MASK32, (s % 2 ** 64) >> 32] for s in seeds]
-    return torch.tensor(words, dtype=torch.long, device=device)
+def gumbel_noise(seeds: list[int], positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, M, V] (float32), a pure function of (seed, position) on a device type.
 
-
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [B, M, V] (float32), a pure function of (seed, position, token id).
-
-    seeds: [B, 2] from `seed_words`; positions: [B, M] absolute positions of the tokens being drawn.
-    Different (seed, position) pairs give independent-looking streams; the same pair always the same one,
-    on any batch and for any decoding mode.
+    seeds: one per row; positions: [B, M] absolute positions of the tokens being drawn. Each (seed,
+    position) pair seeds its own generator (`position_seed`), so the same pair always gives the same
+    noise, in any batch and for any decoding mode, and different pairs give independent streams.
     """
-    key = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ 0x2545F491))  # [B]
-    key = _mix32(key[:, None] ^ _mix32((positions & _MASK32) ^ 0x68E31DA4))  # [B, M]
-    token = _mul32(torch.arange(vocab, device=seeds.device), 0x9E3779B9)
-    bits = _mix32(_mix32(key[:, :, None] ^ token))  # [B, M, V] uniform 32-bit
-    u = (bits.double() + 0.5) / 2.0 ** 32  # (0, 1)
-    return (-torch.log(-torch.log(u))).float()
+    device = positions.device
+    rows = []
+    for seed, row in zip(seeds, positions.tolist()):
+        for position in row:
+            g = torch.Generator(device=device).manual_seed(position_seed(seed, position))
+            rows.append(torch.rand(vocab, generator=g, device=device, dtype=torch.float64))
+    u = torch.stack(rows).view(*positions.shape, vocab)
+    return (-torch.log(-torch.log(u))).float()  # u = 0 gives -inf: never the argmax
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor | None = None,
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """The token at each position: logits [B, M, V] -> [B, M].
 
@@ -113,7 +108,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.T
     return noisy.argmax(dim=-1)
 
 
-def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor | None = None,
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from logits [B, V] drawn at positions [B] (see `sample_tokens`)."""
     pos = positions[:, None] if positions is not None else None
@@ -156,20 +151,20 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
     return accept_tokens(tree, logits.argmax(dim=-1))
 
 
-def node_positions(tree: Tree, root_positions: torch.Tensor) -> torch.Tensor:
-    """[B, N] absolute position of the token each node's logits draw: the node's own position + 1."""
-    return root_positions[:, None] + tree.depth + 1
+def level_positions(root_positions: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """[B, D+1] absolute position of the token drawn after a node at each depth: the node's own + 1."""
+    return root_positions[:, None] + levels[None, :] + 1
 
 
-def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor,
+def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int],
                     root_positions: torch.Tensor) -> Acceptance:
     """Greedy acceptance on the noisy logits: exactly the tokens plain sampling would have drawn.
 
     Rule: the token after node u (at absolute position q(u) = root position + depth(u) + 1) is
-    x(u) = argmax(filtered logits(u) + G(seed, q(u))), with G the counter-based Gumbel noise of
-    `gumbel_noise`. A drafted child is accepted exactly when it equals x(parent); the bonus is x(last
-    accepted node). Nodes at the same depth share their noise (same position): the noise is a property of
-    the position in the sequence, not of the tree.
+    x(u) = argmax(filtered logits(u) + G(seed, q(u))), with G the Gumbel noise of `gumbel_noise` (a
+    generator seeded by a hash of (seed, q)). A drafted child is accepted exactly when it equals
+    x(parent); the bonus is x(last accepted node). Nodes at the same depth share their noise (same
+    position): the noise is a property of the position in the sequence, not of the tree.
 
     Proof that it is lossless: plain sampling draws token t as argmax(filtered logits(. | x_<t) + G(seed, t))
     (`sample_next`), which by the Gumbel-max trick is distributed as target_probs(. | x_<t), and the
@@ -181,10 +176,14 @@ def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, 
     P(the draft's child set contains the noisy argmax), the same as the best lossless rule's for a fixed
     tree (it accepts exactly when a target-distributed token falls among the children).
     """
-    return accept_tokens(tree, sample_tokens(logits, sampling, seeds, node_positions(tree, root_positions)))
+    vocab = logits.shape[-1]
+    levels = torch.arange(int(tree.depth.max()) + 1, device=logits.device)
+    noise = gumbel_noise(seeds, level_positions(root_positions, levels), vocab)  # [B, D+1, V]: one per depth
+    noise = noise.gather(1, tree.depth[:, :, None].expand(-1, -1, vocab))  # [B, N, V]
+    return accept_tokens(tree, (filtered_logits(logits, sampling) + noise).argmax(dim=-1))
 
 
-def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor | None = None,
+def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
            root_positions: torch.Tensor | None = None) -> Acceptance:
     if sampling.greedy:
         return accept_greedy(tree, logits)

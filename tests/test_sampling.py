@@ -74,7 +74,7 @@ def test_speculative_sampling_matches_the_target_distribution(target, sampling):
 
 def test_wrong_verifier_fails_the_same_test(target, monkeypatch):
     """Noise of the wrong position (off by one): consecutive tokens share their randomness."""
-    monkeypatch.setattr(verify, "node_positions", lambda tree, root_positions: root_positions[:, None] + tree.depth)
+    monkeypatch.setattr(verify, "level_positions", lambda root_positions, levels: root_positions[:, None] + levels)
     sampling = SAMPLINGS[0]
     counts, _ = sampled_counts(target, sampling, seed=1)
     assert chi_square_pvalue(counts, exact_joint(target, sampling)) < 1e-6

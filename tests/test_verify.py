@@ -9,8 +9,7 @@ from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import tree_from_parents
-from eagle_core.verify import (SamplingConfig, accept_greedy, accept_sampling, seed_words, target_probs,
-                               verify_tree)
+from eagle_core.verify import (SamplingConfig, accept_greedy, accept_sampling, target_probs, verify_tree)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +97,7 @@ def test_sampling_acceptance_emits_the_target_distribution():
     # root with children tokens 2, 0 (node 1, 2) and a grandchild under node 1
     tree = tree_from_parents(torch.tensor([[5, 2, 0, 1]]).expand(rows, 4), torch.tensor([[0, 0, 0, 1]]).expand(rows, 4))
     sampling = SamplingConfig(temperature=1.0)
-    seeds = seed_words(list(range(rows)), "cpu")
+    seeds = list(range(rows))
     acc = accept_sampling(tree, logits, sampling, seeds, torch.full((rows,), 5))
     first = torch.where(acc.accept_length > 0, tree.tokens.gather(1, acc.path[:, 1:2])[:, 0], acc.bonus)
     freq = torch.bincount(first, minlength=vocab).double() / rows
