@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from eagle_core.generate import generate, prefill
+from eagle_core.decoding import clock, draft_extend, prefill
+from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.tree import TreeConfig, tree_from_parents
 from eagle_core.verify import verify_tree
@@ -56,11 +57,6 @@ class AutotuneResult:
         return asdict(self)
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def measure_target_forward(target, widths, context_tokens: int = 256, repeats: int = 3,
                            aux_layer_ids=None) -> dict[int, float]:
@@ -79,11 +75,9 @@ def measure_target_forward(target, widths, context_tokens: int = 256, repeats: i
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             past = kv.width
-            _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock(device)
             verify_tree(target, kv, tree, aux_layer_ids)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+            times.append(clock(device) - t0)
             kv.keep_new_(past, torch.zeros(1, 1, dtype=torch.long, device=device),
                          torch.zeros(1, dtype=torch.long, device=device))
         out[width] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
@@ -114,7 +108,6 @@ def interpolate(points: dict[int, float], x: float) -> float:
 def measure_draft(draft, top_k: int, depths, context_tokens: int = 256, extend_tokens: int = 3,
                   repeats: int = 3) -> dict[int, float]:
     """Draft time per round (ms) at each depth: extending its cache by a few tokens + building the tree."""
-    from eagle_core.generate import draft_extend
     from eagle_core.kv import DraftKV
     from eagle_core.tree import draft_tree
 
@@ -133,12 +126,10 @@ def measure_draft(draft, top_k: int, depths, context_tokens: int = 256, extend_t
         times = []
         for _ in range(repeats + 1):
             snapshot = (dkv.k, dkv.v, dkv.lengths)
-            _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock(device)
             h = draft_extend(draft, dkv, *features(extend_tokens), torch.tensor([extend_tokens], device=device))
             draft_tree(draft, dkv, h, torch.zeros(1, dtype=torch.long, device=device), TreeConfig(top_k, depth, 1))
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+            times.append(clock(device) - t0)
             dkv.k, dkv.v, dkv.lengths = snapshot
         out[depth] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
     del hidden

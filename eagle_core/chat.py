@@ -93,3 +93,13 @@ def prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
     """Token ids of `messages` followed by the assistant generation prompt (for decoding a reply)."""
     text = render_chat(tokenizer, messages, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A prompt as token ids: text (no special tokens added), chat messages (with the generation prompt),
+    or token ids already."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if prompt and isinstance(prompt[0], dict):
+        return prompt_ids(tokenizer, prompt)
+    return list(prompt)

@@ -1,25 +1,23 @@
-"""Speculative generation with an EAGLE-3 draft and EAGLE-2 dynamic trees, plus the plain decoding loop.
+"""Generation for a fixed batch of prompts: speculative (EAGLE-3 draft, EAGLE-2 trees) or the plain loop.
 
-Read top to bottom: `prefill` (prompt through the target, first token), `draft_extend` (accepted target
-features into the draft's cache), `decode_one_token` (plain loop step), `speculative_decode` (one round:
-draft tree -> tree verification -> accepted path into both caches), `generate` (the loop, batch > 1,
-stopping, stats). Both loops share the same caches and target forward, so the plain loop is the honest
-baseline and the reference of the lossless tests.
+The request side of decoding: `RequestStats` (per-request metrics), `Request` (a request's tokens, stop
+conditions and stats, updated from each `eagle_core.decoding.Step`), and `generate`, which drives one
+`DecodingState` to the end: prefill, then rounds of one mode, finished rows leaving the batch. The serving
+engine drives the same state and the same `Request` bookkeeping with continuous batching.
 
-Batch > 1: rows advance together, each accepting its own number of tokens (see `eagle_core.kv` for the
-ragged cache layout); finished rows leave the batch. Chain drafting is `TreeConfig.chain(n)`.
+Speculative and plain decoding share the same caches and target forward, so the plain loop is the honest
+baseline and the reference of the lossless tests. Chain drafting is `TreeConfig.chain(n)`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, target_forward
-from eagle_core.tree import Tree, TreeConfig, draft_tree
-from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
+from eagle_core.decoding import DecodingState, Step, clock
+from eagle_core.tree import TreeConfig
+from eagle_core.verify import SamplingConfig
 
 
 @dataclass
@@ -76,118 +74,26 @@ class GenerationResult:
     texts: list[str] | None = None
 
 
-def _clock(device) -> float:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-# ---- the steps ---------------------------------------------------------------------------------------------
-
-def prefill(target, kv: TargetKV, prompts: list[list[int]], aux_layer_ids: list[int] | None):
-    """All prompts through the target in one right-padded forward.
-
-    Returns (last logits [B, V], aux [B, L, 3H] or None, padded ids [B, L], lengths [B]).
-    """
-    device = kv.lengths.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    width = int(lengths.max())
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    for row, p in enumerate(prompts):
-        ids[row, : len(p)] = torch.tensor(p, device=device)
-    valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
-    position_ids = torch.arange(width, device=device).expand_as(ids)
-    hidden, aux = target_forward(target, kv, ids, position_ids, causal_mask(valid), aux_layer_ids)
-    kv.keep_new_(0, torch.arange(width, device=device).expand_as(ids), lengths)
-    last = hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
-    return target.get_output_embeddings()(last), aux, ids, lengths
-
-
-def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tensor, n_new: torch.Tensor):
-    """Append committed target features to the draft's cache (EAGLE's first draft step, through `fc`).
-
-    aux: [B, S, 3H] target features of the newly committed positions; next_tokens: [B, S] the token after
-    each of them; row b uses its first n_new[b]. Returns the draft's output hidden state at each row's
-    last new position, [B, 1, H]: it predicts the token after the root and seeds the next tree.
-    """
-    b, s, _ = aux.shape
-    steps = torch.arange(s, device=aux.device)[None, :]
-    hidden = draft.fuse(aux)  # [B, S, H]
-    position_ids = dkv.lengths[:, None] + steps
-    mask = attention_allowed(dkv.lengths, dkv.width, causal_mask(steps < n_new[:, None]))
-    out, new_kv = draft(hidden, next_tokens, position_ids, attention_mask=mask, past_kv=dkv.past())
-    dkv.append_and_keep_(new_kv, steps.expand(b, s), n_new)
-    return out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))
-
-
-def draft_prefill(draft, dkv: DraftKV, aux: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
-                  root: torch.Tensor) -> torch.Tensor:
-    """The prompt's target features into the draft's cache; returns the hidden state the first tree grows from.
-
-    Feature at position p pairs with token p+1; the last prompt position pairs with the root (first new token).
-    """
-    next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # [B, S]
-    next_tokens.scatter_(1, (lengths - 1)[:, None], root[:, None])
-    return draft_extend(draft, dkv, aux, next_tokens, lengths)
-
-
-def decode_one_token(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConfig, generators):
-    """Plain decoding step: token [B] (not yet in the cache) -> next token [B]."""
-    b = token.shape[0]
-    past_width = kv.width
-    ones = torch.ones(b, 1, 1, dtype=torch.bool, device=token.device)
-    hidden, _ = target_forward(target, kv, token[:, None], kv.lengths[:, None], ones)
-    kv.keep_new_(past_width, torch.zeros(b, 1, dtype=torch.long, device=token.device), torch.ones_like(token))
-    return sample_next(target.get_output_embeddings()(hidden[:, 0]), sampling, generators)
-
-
-@dataclass
-class RoundOutput:
-    tokens: torch.Tensor  # [B, W] committed tokens, row b's first accept_length[b] + 1 are valid
-    accept_length: torch.Tensor  # [B]
-    root: torch.Tensor  # [B] the bonus token: the next round's root
-    draft_hidden: torch.Tensor  # [B, 1, H]
-    draft_s: float
-    verify_s: float
-    tree: Tree | None = None  # what was verified, and the accepted path in it (autotune reads both)
-    path: torch.Tensor | None = None  # [B, W]
-
-
-def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
-                       tree_config: TreeConfig, sampling: SamplingConfig, generators, aux_layer_ids) -> RoundOutput:
-    """One round: draft a tree from the root, verify it in one target forward, keep the accepted path."""
-    device = root.device
-    t0 = _clock(device)
-    tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
-    t1 = _clock(device)
-    past_width = kv.width
-    logits, aux = verify_tree(target, kv, tree, aux_layer_ids)  # [B, N, V], [B, N, 3H]
-    acc = accept(tree, logits, sampling, generators)
-    kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
-    t2 = _clock(device)
-    # The path's features go to the draft, each paired with the token that follows it on the path
-    # (the bonus after the last accepted node): exactly the tokens this round commits.
-    path_tokens = tree.tokens.gather(1, acc.path)  # [B, W] root first
-    steps = torch.arange(acc.path.shape[1], device=device)[None, :]
-    following = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], dim=1)
-    committed = torch.where(steps == acc.accept_length[:, None], acc.bonus[:, None], following)
-    aux_path = aux.gather(1, acc.path[:, :, None].expand(-1, -1, aux.shape[-1]))
-    draft_hidden = draft_extend(draft, dkv, aux_path, committed, acc.accept_length + 1)
-    t3 = _clock(device)
-    return RoundOutput(committed, acc.accept_length, acc.bonus, draft_hidden, (t1 - t0) + (t3 - t2), t2 - t1,
-                       tree, acc.path)
-
-
-# ---- the loop ----------------------------------------------------------------------------------------------
-
-class _Request:
+class Request:
     """Python-side bookkeeping of one request: its tokens, stop conditions and stats."""
 
-    def __init__(self, prompt_len: int, max_new_tokens: int, eos: set[int], stop: tuple[str, ...], tokenizer,
-                 depth: int):
+    def __init__(self, prompt_len: int, max_new_tokens: int, eos: set[int], stop: tuple[str, ...] = (),
+                 tokenizer=None, depth: int = 0):
         self.tokens: list[int] = []
         self.max_new_tokens, self.eos, self.stop, self.tokenizer = max_new_tokens, eos, stop, tokenizer
         self.stats = RequestStats(prompt_tokens=prompt_len, depth=depth)
+
+    def record(self, step: Step, row: int) -> bool:
+        """Account for batch row `row` of a step and emit its tokens; return True when the request is finished."""
+        if step.mode == "prefill":
+            self.stats.prefill_s = step.seconds
+        else:
+            self.stats.rounds += 1
+            self.stats.draft_s += step.draft_s
+            self.stats.verify_s += step.verify_s
+            if step.accept_lengths is not None:
+                self.stats.accept_lengths.append(step.accept_lengths[row])
+        return self.emit(step.tokens[row])
 
     def emit(self, tokens: list[int]) -> bool:
         """Append committed tokens until a stop condition; return True when the request is finished."""
@@ -215,109 +121,39 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
-    TreeConfig()). temperature 0 is greedy; otherwise every request samples with its own generator seeded
-    `seed + i`, so a request's sample does not depend on what it is batched with. eos_token_id: an id or
+    TreeConfig()). temperature 0 is greedy; otherwise request i samples with seed `seed + i`, and its
+    tokens are a function of (prompt, sampling settings, seed) alone: the same with or without a draft,
+    with any tree, and whatever it is batched with. eos_token_id: an id or
     a list of ids that end a request (included in its tokens); stop: strings that end it (needs tokenizer).
     on_round(round_output, request_indices): called after every speculative round (instrumentation).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device = target.get_input_embeddings().weight.device
-    sampling = SamplingConfig(temperature, top_p, top_k)
     tree = tree or TreeConfig()
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-    b = len(input_ids)
-    requests = [_Request(len(p), max_new_tokens, eos, tuple(stop), tokenizer, tree.depth if draft else 0)
+    requests = [Request(len(p), max_new_tokens, eos, tuple(stop), tokenizer, tree.depth if draft else 0)
                 for p in input_ids]
-    generators = None
-    if not sampling.greedy:
-        generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(b)]
-    aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
+    mode = "tree" if draft is not None else "plain"
 
-    t_start = _clock(device)
-    kv = TargetKV(b, device)
-    logits, aux, ids, lengths = prefill(target, kv, input_ids, aux_layer_ids)
-    root = sample_next(logits, sampling, generators)  # [B]
-    dkv, draft_hidden = None, None
-    if draft is not None:
-        dkv = DraftKV(b, device)
-        draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
-    t_prefill = _clock(device) - t_start
-    for r in requests:
-        r.stats.prefill_s = t_prefill
-
-    active = list(range(b))  # batch row -> request index
-    finished = [requests[i].emit([t]) for i, t in zip(active, root.tolist())]
+    t_start = clock(device)
+    state, step = DecodingState.prefill(target, draft, input_ids, SamplingConfig(temperature, top_p, top_k),
+                                        tree, seeds=[seed + i for i in range(len(input_ids))])
+    active = list(range(len(input_ids)))  # batch row -> request index
     while True:
-        keep = [row for row, done in enumerate(finished) if not done]
-        if len(keep) < len(active):
-            if not keep:
-                break
-            rows = torch.tensor(keep, device=device)
-            kv.select_rows_(rows)
-            root = root[rows]
-            if dkv is not None:
-                dkv.select_rows_(rows)
-                draft_hidden = draft_hidden[rows]
-            if generators is not None:
-                generators = [generators[row] for row in keep]
-            active = [active[row] for row in keep]
-        if draft is None:
-            t0 = _clock(device)
-            root = decode_one_token(target, kv, root, sampling, generators)
-            dt = _clock(device) - t0
-            new_tokens = root.tolist()
-            finished = []
-            for i, t in zip(active, new_tokens):
-                req = requests[i]
-                req.stats.rounds += 1
-                req.stats.verify_s += dt
-                finished.append(req.emit([t]))
-        else:
-            out = speculative_decode(target, draft, kv, dkv, root, draft_hidden, tree, sampling, generators,
-                                     aux_layer_ids)
-            root, draft_hidden = out.root, out.draft_hidden
-            if on_round is not None:
-                on_round(out, list(active))
-            finished = []
-            for i, toks, n in zip(active, out.tokens.tolist(), out.accept_length.tolist()):
-                req = requests[i]
-                req.stats.rounds += 1
-                req.stats.accept_lengths.append(n)
-                req.stats.draft_s += out.draft_s
-                req.stats.verify_s += out.verify_s
-                finished.append(req.emit(toks[: n + 1]))
+        if on_round is not None and step.round is not None:
+            on_round(step.round, list(active))
+        finished = [requests[i].record(step, row) for row, i in enumerate(active)]
         for i, done in zip(active, finished):
             if done:
-                requests[i].stats.total_s = _clock(device) - t_start
+                requests[i].stats.total_s = clock(device) - t_start
+        keep = [row for row, done in enumerate(finished) if not done]
+        if not keep:
+            break
+        state.select_rows_(keep)
+        active = [active[row] for row in keep]
+        step = state.step(mode)
     for r in requests:
         r.stats.new_tokens = len(r.tokens)
     texts = [tokenizer.decode(r.tokens) for r in requests] if tokenizer is not None else None
     return GenerationResult(tokens=[r.tokens for r in requests], stats=[r.stats for r in requests], texts=texts)
-
-
-class Generator:
-    """Target (+ optional draft) bundled with a tokenizer: prompts may be text or chat messages."""
-
-    def __init__(self, target, tokenizer=None, draft=None, tree: TreeConfig | None = None):
-        self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        self.tree = tree or TreeConfig()
-
-    def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if prompt and isinstance(prompt[0], dict):
-            from eagle_core.chat import prompt_ids
-            return prompt_ids(self.tokenizer, prompt)
-        return list(prompt)
-
-    def generate(self, prompts=None, input_ids=None, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: tuple[str, ...] = (),
-                 eos_token_id=None, use_draft: bool = True) -> GenerationResult:
-        if input_ids is None:
-            input_ids = [self.encode(p) for p in prompts]
-        if eos_token_id is None and self.tokenizer is not None:
-            eos_token_id = self.tokenizer.eos_token_id
-        return generate(self.target, input_ids, draft=self.draft if use_draft else None, tree=self.tree,
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                        seed=seed, eos_token_id=eos_token_id, stop=stop, tokenizer=self.tokenizer)

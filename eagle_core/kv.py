@@ -103,6 +103,12 @@ class TargetKV:
             layer.keys = layer.keys[rows, :, :width]
             layer.values = layer.values[rows, :, :width]
 
+    def merge_(self, other: "TargetKV") -> None:
+        """Append `other`'s rows after this cache's rows (new sequences join the batch)."""
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys, mine.values = pad_cat(mine.keys, theirs.keys), pad_cat(mine.values, theirs.values)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
 
 class DraftKV:
     """The draft's KV cache for the accepted prefix: one `(k, v)` pair [B, kv_heads, P, d] plus lengths."""
@@ -136,6 +142,21 @@ class DraftKV:
         width = int(self.lengths.max()) if rows.numel() else 0
         if self.k is not None:
             self.k, self.v = self.k[rows, :, :width], self.v[rows, :, :width]
+
+    def merge_(self, other: "DraftKV") -> None:
+        """Append `other`'s rows after this cache's rows (both hold at least one entry per row)."""
+        self.k, self.v = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+
+def pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Concatenate two caches [B, heads, W, d] along the batch, right-padding the narrower one.
+
+    The padding slots lie beyond every row's length, where the ragged layout never attends.
+    """
+    width = max(a.shape[2], b.shape[2])
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))  # noqa: E731
+    return torch.cat([pad(a), pad(b)], dim=0)
 
 
 def _cache_kwarg(decoder) -> str:

@@ -8,7 +8,12 @@ token (the bonus: the target's own next token after the last accepted node).
 Greedy acceptance: follow the children whose token equals the target's argmax at their parent for as long
 as one exists; the bonus is the argmax at the last accepted node. Output = plain greedy decoding.
 
-Sampling acceptance: see `accept_sampling` for the rule and the proof that it is lossless.
+Sampling: every position's randomness is a function of (seed, absolute position) alone (Gumbel noise
+from a generator seeded by a hash of the pair, `gumbel_noise`), so a token is the target's *noisy* argmax
+at its parent and sampling acceptance is greedy acceptance on noisy logits (`accept_sampling`, with the
+proof). A seeded request therefore yields the same tokens whether it is decoded plain, with chains or with
+trees, whatever the draft and whatever it is batched with (on one device type: CPU and CUDA generators
+draw different streams).
 """
 
 from __future__ import annotations
@@ -32,12 +37,8 @@ class SamplingConfig:
         return self.temperature <= 0.0
 
 
-def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """The distribution plain sampling draws from: temperature, then top-k, then top-p (as transformers).
-
-    logits: [..., V] -> probs [..., V] float32. Speculative and plain decoding both go through here, so
-    "lossless" means: the same distribution as this function's.
-    """
+def filtered_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (as transformers): logits [..., V] -> float32, -inf where cut."""
     logits = logits.float() / sampling.temperature
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
@@ -48,15 +49,70 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
         drop_sorted = cum <= 1.0 - sampling.top_p  # the low tail whose mass stays under 1 - top_p
         drop_sorted[..., -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits.softmax(dim=-1)
+    return logits
 
 
-def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generators=None) -> torch.Tensor:
-    """One token per row from logits [B, V] (argmax when greedy; one torch.Generator per row otherwise)."""
+def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The distribution plain sampling draws from (temperature, top-k, top-p): logits [..., V] -> probs.
+
+    Speculative and plain decoding both sample from it, so "lossless" means: the same distribution as
+    this function's.
+    """
+    return filtered_logits(logits, sampling).softmax(dim=-1)
+
+
+# ---- counter-based randomness: the noise of a position depends on (seed, position) only ----------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of one position's noise: a hash of (seed, absolute position), in [0, 2^63)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
+
+
+def gumbel_noise(seeds: list[int], positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, M, V] (float32), a pure function of (seed, position) on a device type.
+
+    seeds: one per row; positions: [B, M] absolute positions of the tokens being drawn. Each (seed,
+    position) pair seeds its own generator (`position_seed`), so the same pair always gives the same
+    noise, in any batch and for any decoding mode, and different pairs give independent streams.
+    """
+    device = positions.device
+    rows = []
+    for seed, row in zip(seeds, positions.tolist()):
+        for position in row:
+            g = torch.Generator(device=device).manual_seed(position_seed(seed, position))
+            rows.append(torch.rand(vocab, generator=g, device=device, dtype=torch.float64))
+    u = torch.stack(rows).view(*positions.shape, vocab)
+    return (-torch.log(-torch.log(u))).float()  # u = 0 gives -inf: never the argmax
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The token at each position: logits [B, M, V] -> [B, M].
+
+    Greedy: the argmax. Sampling: the argmax of the filtered logits plus `gumbel_noise(seeds, positions)`,
+    which is distributed exactly as `target_probs` (the Gumbel-max trick).
+    """
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    probs = target_probs(logits, sampling)
-    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+    noisy = filtered_logits(logits, sampling) + gumbel_noise(seeds, positions, logits.shape[-1])
+    return noisy.argmax(dim=-1)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from logits [B, V] drawn at positions [B] (see `sample_tokens`)."""
+    pos = positions[:, None] if positions is not None else None
+    return sample_tokens(logits[:, None], sampling, seeds, pos)[:, 0]
 
 
 @torch.inference_mode()
@@ -77,94 +133,61 @@ class Acceptance:
     bonus: torch.Tensor  # [B] the target's token after the path (the next round's root)
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
-    """Longest path whose every token is the target's argmax at its parent, plus the argmax after it."""
-    best = logits.argmax(dim=-1)  # [B, N]
-    match = tree.tokens == best.gather(1, tree.parents)  # [B, N]: node agrees with the target at its parent
+def accept_tokens(tree: Tree, chosen: torch.Tensor) -> Acceptance:
+    """Longest path whose every token is `chosen` at its parent, plus the chosen token after it.
+
+    chosen: [B, N] the target's token after each node (its argmax, or its noisy argmax when sampling).
+    """
+    match = tree.tokens == chosen.gather(1, tree.parents)  # [B, N]: node agrees with the target at its parent
     match[:, 0] = True
     on_path = ~(tree.ancestors & ~match[:, None, :]).any(dim=-1)  # node and all its ancestors agree
     # Siblings carry distinct tokens, so the agreeing nodes form one chain from the root: take its end.
     last = torch.where(on_path, tree.depth, -1).argmax(dim=-1)  # [B]
-    return _acceptance(tree, last, best.gather(1, last[:, None])[:, 0])
+    return _acceptance(tree, last, chosen.gather(1, last[:, None])[:, 0])
 
 
-def residual_distribution(probs: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """p with the rejected siblings' tokens removed, renormalised: what is left to sample from."""
-    residual = probs.clone()
-    residual[rejected] = 0.0
-    total = residual.sum()
-    return residual / total if total > 0 else probs
+def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
+    """Longest path whose every token is the target's argmax at its parent, plus the argmax after it."""
+    return accept_tokens(tree, logits.argmax(dim=-1))
 
 
-def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, generators) -> Acceptance:
-    """Recursive rejection sampling over siblings, lossless for a deterministic draft tree.
+def level_positions(root_positions: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """[B, D+1] absolute position of the token drawn after a node at each depth: the node's own + 1."""
+    return root_positions[:, None] + levels[None, :] + 1
 
-    Rule, at the current node u (start: the root) with target distribution p = p(. | prefix, path to u)
-    and children tokens t_1..t_m (distinct; chosen by the draft's top-k, i.e. a function of the context):
-    try the children in turn; child t_i is accepted with probability
 
-        a_i = p(t_i) / (1 - p(t_1) - ... - p(t_{i-1}))        (the residual mass still unclaimed)
+def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int],
+                    root_positions: torch.Tensor) -> Acceptance:
+    """Greedy acceptance on the noisy logits: exactly the tokens plain sampling would have drawn.
 
-    which is min(1, r_i(t_i) / q_i(t_i)) of recursive rejection with point-mass proposals q_i = delta(t_i)
-    and residuals r_i = norm(max(r_{i-1} - q_{i-1}, 0)), i.e. p with t_1..t_{i-1} removed. On acceptance
-    move to that child and repeat; if all m are rejected, emit a token drawn from p with t_1..t_m removed
-    (the residual) and stop; at a leaf the same residual is p itself (the bonus token).
+    Rule: the token after node u (at absolute position q(u) = root position + depth(u) + 1) is
+    x(u) = argmax(filtered logits(u) + G(seed, q(u))), with G the Gumbel noise of `gumbel_noise` (a
+    generator seeded by a hash of (seed, q)). A drafted child is accepted exactly when it equals
+    x(parent); the bonus is x(last accepted node). Nodes at the same depth share their noise (same
+    position): the noise is a property of the position in the sequence, not of the tree.
 
-    Proof that the emitted token x at u is distributed as p: P(x = t_i) = prod_{j<i}(1 - a_j) * a_i.
-    Since 1 - a_j = (1 - s_j) / (1 - s_{j-1}) with s_j = p(t_1) + ... + p(t_j), the product telescopes to
-    (1 - s_{i-1}), so P(x = t_i) = p(t_i). For x outside the children, P(x) = (1 - s_m) * p(x) / (1 - s_m)
-    = p(x). The children and the draft's whole tree depend only on the context (never on the target's
-    random draws), so conditioning on the path so far, the next token is again distributed exactly as the
-    target's p(. | context); by induction over the path every emitted sequence has the target's law.
-
-    The reference implementation's shortcut (q = 1 for a top-k child, disputed in its issue tracker,
-    e.g. #329) is exactly this point-mass proposal, and it is lossless *provided* the children are a
-    function of the context and every rejected sibling is removed before the next try and before the
-    correction draw. Plugging the draft's probabilities in as q would not be lossless: min(1, p/q) assumes
-    the candidate was *sampled* from q, which top-k selection is not. The acceptance here is also the
-    best any lossless rule can do for a fixed tree: it emits a child exactly when a p-distributed token
-    falls among the children, P = s_m.
+    Proof that it is lossless: plain sampling draws token t as argmax(filtered logits(. | x_<t) + G(seed, t))
+    (`sample_next`), which by the Gumbel-max trick is distributed as target_probs(. | x_<t), and the
+    noises of different positions are independent, so the sequence has the target's law. On an accepted
+    path every node's prefix is the committed sequence, its logits are the target's for that prefix and
+    its noise is that of the same position, so every committed token -- accepted or bonus -- is exactly the
+    token plain sampling draws there. Speculative output therefore equals plain output token for token
+    (whatever the draft, tree shape or batch), and so has the same distribution. The acceptance rate is
+    P(the draft's child set contains the noisy argmax), the same as the best lossless rule's for a fixed
+    tree (it accepts exactly when a target-distributed token falls among the children).
     """
-    probs = target_probs(logits, sampling)  # [B, N, V]
-    b, n = tree.tokens.shape
-    # p(t_i) for every node i under its parent's distribution: [B, N]
-    vocab = probs.shape[-1]
-    p_node = probs.reshape(b, n * vocab).gather(1, tree.parents * vocab + tree.tokens).cpu().tolist()
-    parents = tree.parents.cpu().tolist()
-    last = torch.empty(b, dtype=torch.long)
-    bonus = torch.empty(b, dtype=torch.long)
-    for row in range(b):
-        children = [[] for _ in range(n)]
-        for i in range(1, n):
-            children[parents[row][i]].append(i)
-        u = torch.rand(n, generator=generators[row], device=generators[row].device).tolist()
-        node, draw = 0, 0
-        while True:
-            accepted, unclaimed = None, 1.0
-            for child in children[node]:
-                p = p_node[row][child]
-                # a_i = p(t_i) / unclaimed, clipped against rounding when the children hold all the mass.
-                if u[draw] * unclaimed < p or unclaimed <= 0.0:
-                    accepted = child
-                    draw += 1
-                    break
-                draw += 1
-                unclaimed -= p
-            if accepted is None:
-                break
-            node = accepted
-        rejected = tree.tokens[row, children[node]] if children[node] else tree.tokens[row, :0]
-        residual = residual_distribution(probs[row, node], rejected)
-        last[row] = node
-        bonus[row] = torch.multinomial(residual, 1, generator=generators[row])[0]
-    device = tree.tokens.device
-    return _acceptance(tree, last.to(device), bonus.to(device))
+    vocab = logits.shape[-1]
+    levels = torch.arange(int(tree.depth.max()) + 1, device=logits.device)
+    noise = gumbel_noise(seeds, level_positions(root_positions, levels), vocab)  # [B, D+1, V]: one per depth
+    noise = noise.gather(1, tree.depth[:, :, None].expand(-1, -1, vocab))  # [B, N, V]
+    return accept_tokens(tree, (filtered_logits(logits, sampling) + noise).argmax(dim=-1))
 
 
-def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, generators=None) -> Acceptance:
+def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+           root_positions: torch.Tensor | None = None) -> Acceptance:
     if sampling.greedy:
         return accept_greedy(tree, logits)
-    return accept_sampling(tree, logits, sampling, generators)
+    return accept_sampling(tree, logits, sampling, seeds, root_positions)
 
 
 def _acceptance(tree: Tree, last: torch.Tensor, bonus: torch.Tensor) -> Acceptance:

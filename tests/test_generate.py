@@ -1,5 +1,6 @@
 """The generator: plain loop == transformers greedy; speculative greedy == plain greedy for any draft;
-batch > 1 == one by one; stopping rules; stats definitions."""
+seeded speculative sampling == seeded plain sampling, token for token; batch > 1 == one by one; stopping
+rules; stats definitions."""
 
 import pytest
 import torch
@@ -45,6 +46,25 @@ def test_speculative_greedy_is_lossless(target, damped, prompts, config, which):
     assert spec.tokens == plain
     if which == "echo":  # the test must exercise multi-token acceptance to mean anything
         assert max(s.tau for s in spec.stats) > 1.5
+
+
+@pytest.mark.parametrize("config", [TreeConfig(4, 4, 16), TreeConfig.chain(3)], ids=str)
+@pytest.mark.parametrize("which", ["random", "echo"])
+def test_seeded_speculative_sampling_equals_plain_sampling(target, damped, prompts, config, which):
+    """A seed means the same tokens with or without speculation, with any draft, alone or in a batch."""
+    model = target if which == "random" else damped
+    draft = random_draft(model, 300) if which == "random" else echo_draft(model)
+    # a cool temperature for the echo draft: its multi-token paths must get accepted now and then
+    kw = dict(max_new_tokens=24, temperature=0.9 if which == "random" else 0.2, top_p=0.95, top_k=40, seed=5)
+    plain = generate(model, prompts, **kw).tokens  # row i samples with seed 5 + i
+    spec = generate(model, prompts, draft=draft, tree=config, **kw)
+    assert spec.tokens == plain
+    alone = generate(model, prompts[3:4], draft=draft, tree=config, **{**kw, "seed": 8})
+    assert alone.tokens[0] == plain[3]
+    other_seed = generate(model, prompts, **{**kw, "seed": 6}).tokens
+    assert other_seed != plain  # the seed matters
+    if which == "echo":  # multi-token acceptance must happen for this to mean anything
+        assert sum(a >= 2 for s in spec.stats for a in s.accept_lengths) >= 3
 
 
 @pytest.mark.parametrize("config", [TreeConfig(4, 4, 16), TreeConfig.chain(3)], ids=str)

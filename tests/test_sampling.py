@@ -2,8 +2,9 @@
 
 Small-vocab tiny target, thousands of independent requests in one batch (each with its own seed), a
 chi-square test of the joint (x1, x2, x3) against the exact distribution computed from the target by
-enumeration. The same test must FAIL for a deliberately wrong verifier (rejected siblings not removed
-from the distribution that the correction token is drawn from), otherwise it proves nothing.
+enumeration. The same test must FAIL for a deliberately wrong verifier (each node scored with the noise
+of its own position instead of the next one's, so a round's first token reuses the previous token's
+randomness), otherwise it proves nothing.
 """
 
 import itertools
@@ -72,8 +73,8 @@ def test_speculative_sampling_matches_the_target_distribution(target, sampling):
 
 
 def test_wrong_verifier_fails_the_same_test(target, monkeypatch):
-    """Drawing the correction token from p itself (no residual) over-weights the rejected siblings."""
-    monkeypatch.setattr(verify, "residual_distribution", lambda probs, rejected: probs)
+    """Noise of the wrong position (off by one): consecutive tokens share their randomness."""
+    monkeypatch.setattr(verify, "level_positions", lambda root_positions, levels: root_positions[:, None] + levels)
     sampling = SAMPLINGS[0]
     counts, _ = sampled_counts(target, sampling, seed=1)
     assert chi_square_pvalue(counts, exact_joint(target, sampling)) < 1e-6

@@ -65,40 +65,6 @@ def test_mode_chooser_measures_then_keeps_the_fastest_mode():
         assert len(set(later)) == 3  # the others are still re-measured now and then
 
 
-def test_deferred_draft_catch_up_equals_step_by_step():
-    """Plain fallback steps queue the draft's inputs; one catch-up forward must leave the draft's cache and
-    hidden state exactly as extending it after every step would (so trees resume with the right context)."""
-    from decode_helpers import echo_draft
-    from eagle_core.target import make_tiny_llama
-    from eagle_core.verify import SamplingConfig
-    from pipelines.serve.engine import GenerationRequest, plain_step_with_draft, prefill_lane
-
-    torch.manual_seed(0)
-    target = make_tiny_llama()
-    draft = echo_draft(target)
-    aux_ids, greedy = list(draft.config.aux_layer_ids), SamplingConfig()
-    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-
-    def lane():
-        reqs = [GenerationRequest(p, 8, greedy, lambda e: None) for p in prompts]
-        return prefill_lane(target, draft, reqs, greedy, aux_ids, "cpu")
-
-    with torch.inference_mode():
-        step_by_step, deferred = lane(), lane()
-        for _ in range(5):
-            plain_step_with_draft(target, step_by_step, aux_ids)
-            step_by_step.catch_up_draft_(draft)
-            plain_step_with_draft(target, deferred, aux_ids)
-        deferred.catch_up_draft_(draft)
-    assert torch.equal(step_by_step.root, deferred.root)
-    assert torch.equal(step_by_step.dkv.lengths, deferred.dkv.lengths)
-    for a, b, lengths in ((step_by_step.dkv.k, deferred.dkv.k, deferred.dkv.lengths),
-                          (step_by_step.dkv.v, deferred.dkv.v, deferred.dkv.lengths)):
-        for row, n in enumerate(lengths.tolist()):
-            torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(step_by_step.draft_hidden, deferred.draft_hidden, rtol=1e-5, atol=1e-5)
-
-
 def test_models_and_health(live):
     with live.client() as c:
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL

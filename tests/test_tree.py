@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from decode_helpers import random_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
-from eagle_core.generate import prefill, draft_extend
+from eagle_core.decoding import draft_extend, prefill
 from eagle_core.kv import DraftKV, TargetKV
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import TreeConfig, ancestor_matrix, draft_tree

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from decode_helpers import random_prompts, single_thread  # noqa: F401 (autouse fixture)
-from eagle_core.generate import generate, prefill
+from eagle_core.decoding import prefill
+from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import tree_from_parents
@@ -96,8 +97,8 @@ def test_sampling_acceptance_emits_the_target_distribution():
     # root with children tokens 2, 0 (node 1, 2) and a grandchild under node 1
     tree = tree_from_parents(torch.tensor([[5, 2, 0, 1]]).expand(rows, 4), torch.tensor([[0, 0, 0, 1]]).expand(rows, 4))
     sampling = SamplingConfig(temperature=1.0)
-    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
-    acc = accept_sampling(tree, logits, sampling, gens)
+    seeds = list(range(rows))
+    acc = accept_sampling(tree, logits, sampling, seeds, torch.full((rows,), 5))
     first = torch.where(acc.accept_length > 0, tree.tokens.gather(1, acc.path[:, 1:2])[:, 0], acc.bonus)
     freq = torch.bincount(first, minlength=vocab).double() / rows
     p = target_probs(logits[0, 0], sampling).double()

@@ -1,10 +1,11 @@
-"""Continuous batching around the speculative generator's steps (`eagle_core.generate`).
+"""Continuous batching over `eagle_core.decoding.DecodingState`: the engine only schedules.
 
 `eagle_core.generate.generate` decodes a fixed batch to the end. A server must let requests join and
-leave while others decode, so this engine owns the loop instead and reuses the generator's steps as they
-are: `prefill` + `draft_prefill` for newly admitted requests, `speculative_decode` (tree or chain) or a
-plain step for the running batch, and the ragged caches of `eagle_core.kv`, whose rows are independent:
-admitting a request is a row concatenation (`merge_target_kv_`), finishing one is `select_rows_`.
+leave while others decode, so this engine owns the loop: it admits requests (a prefilled
+`DecodingState` per group, merged into a running one: its rows are independent), chooses each round's
+mode, calls `DecodingState.step(mode)`, drops finished rows (`select_rows_`) and turns the committed
+tokens into per-request events. Every tensor and every decoding step lives in `eagle_core.decoding`;
+per-request bookkeeping is `eagle_core.generate.Request`.
 
 One thread runs the loop and owns every tensor. Requests with the same sampling settings share a `Lane`
 (one batch, one forward per round); different settings decode in separate lanes, one round each in turn,
@@ -14,8 +15,9 @@ Load fallback: a wide tree costs B * (total_tokens+1) tokens of target compute p
 being free once the batch alone fills the hardware (the known "speculation slows down at high load"
 failure). Per round, a lane of B rows therefore picks tree, chain (`depth` tokens) or plain decoding:
 by default from measurement (`ModeChooser`: the best measured tokens/s at this batch size), or with the
-static thresholds (tree while B <= tree_max_batch, chain while B <= chain_max_batch). The plain step of a speculative lane still captures
-the target's features and extends the draft's cache, so the lane can go back to trees when load drops.
+static thresholds (tree while B <= tree_max_batch, chain while B <= chain_max_batch). The plain step of a
+speculative lane still captures the target's features for the draft, so the lane can go back to trees
+when load drops.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ from typing import Callable
 
 import torch
 
-from eagle_core.generate import RequestStats, _Request, decode_one_token, draft_extend, draft_prefill, prefill, speculative_decode
-from eagle_core.kv import DraftKV, TargetKV, target_forward
+from eagle_core.decoding import MODES, DecodingState, Step
+from eagle_core.generate import Request, RequestStats
 from eagle_core.tree import TreeConfig
-from eagle_core.verify import SamplingConfig, sample_next
+from eagle_core.verify import SamplingConfig
 
-MODES = ("tree", "chain", "plain")
 log = logging.getLogger(__name__)
 
 
@@ -168,11 +169,11 @@ class TextStream:
 # ---- rows and lanes -----------------------------------------------------------------------------------------
 
 class _Row:
-    """One decoding request: the generator's bookkeeping (`_Request`) plus text and mode counts."""
+    """One decoding request: its `Request` bookkeeping plus text and mode counts."""
 
     def __init__(self, request: GenerationRequest, eos: set[int], tokenizer, depth: int):
         self.request = request
-        self.state = _Request(len(request.prompt_ids), request.max_tokens, eos, (), None, depth)
+        self.state = Request(len(request.prompt_ids), request.max_tokens, eos, depth=depth)
         self.text = TextStream(tokenizer, request.stop)
         self.modes = {m: 0 for m in MODES}
         self.started = time.perf_counter()
@@ -182,10 +183,12 @@ class _Row:
     def stats(self) -> RequestStats:
         return self.state.stats
 
-    def emit(self, tokens: list[int]) -> None:
-        """Committed tokens -> text delta event; finish on eos, length or a stop string."""
+    def record(self, step: Step, row: int) -> None:
+        """Batch row `row` of a step -> text delta event; finish on eos, length or a stop string."""
+        if step.mode in self.modes:
+            self.modes[step.mode] += 1
         before = len(self.state.tokens)
-        self.done = self.state.emit(tokens)
+        self.done = self.state.record(step, row)
         delta, stopped = self.text.push(self.state.tokens[before:])
         if stopped:
             self.done, self.stats.finish_reason = True, "stop"
@@ -206,135 +209,29 @@ class _Row:
 
 
 class Lane:
-    """Rows that share one SamplingConfig: one ragged batch with its caches, decoded together."""
+    """Rows that share one SamplingConfig: one `DecodingState` (row i = rows[i]), decoded together."""
 
     def __init__(self, sampling: SamplingConfig):
         self.sampling = sampling
         self.rows: list[_Row] = []
-        self.kv: TargetKV | None = None
-        self.dkv: DraftKV | None = None
-        self.root: torch.Tensor | None = None  # [B] last committed token, not yet in the target's cache
-        self.draft_hidden: torch.Tensor | None = None  # [B, 1, H]
-        self.generators: list | None = None
-        # Plain steps of a speculative lane defer the draft's cache update: their target features and
-        # tokens wait here ([B, 1, 3H] and [B, 1] per step) until a tree/chain round needs the draft.
-        self.pending_aux: list[torch.Tensor] = []
-        self.pending_tokens: list[torch.Tensor] = []
+        self.state: DecodingState | None = None
 
-    def catch_up_draft_(self, draft) -> None:
-        """Extend the draft's cache with every deferred step in one forward (same entries as one by one)."""
-        if not self.pending_aux:
-            return
-        aux, tokens = torch.cat(self.pending_aux, dim=1), torch.cat(self.pending_tokens, dim=1)  # [B, k, ...]
-        n_new = torch.full((aux.shape[0],), aux.shape[1], dtype=torch.long, device=aux.device)
-        self.draft_hidden = draft_extend(draft, self.dkv, aux, tokens, n_new)
-        self.pending_aux, self.pending_tokens = [], []
-
-    def merge_(self, other: "Lane", draft) -> None:
-        """Append `other`'s rows (just prefilled, nothing deferred) to this batch."""
-        if not self.rows:
-            self.__dict__.update(other.__dict__)
-            return
-        if draft is not None:
-            self.catch_up_draft_(draft)  # deferred steps are per-row equal only among the old rows
-        self.rows += other.rows
-        merge_target_kv_(self.kv, other.kv)
-        if self.dkv is not None:
-            merge_draft_kv_(self.dkv, other.dkv)
-            self.draft_hidden = torch.cat([self.draft_hidden, other.draft_hidden])
-        self.root = torch.cat([self.root, other.root])
-        if self.generators is not None:
-            self.generators += other.generators
+    def merge_(self, rows: list[_Row], state: DecodingState) -> None:
+        """New rows (just prefilled) join after the running ones."""
+        if self.state is None:
+            self.rows, self.state = list(rows), state
+        else:
+            self.state.merge_(state)
+            self.rows += rows
 
     def drop_finished_(self) -> None:
         keep = [i for i, row in enumerate(self.rows) if not (row.done or row.request.cancelled)]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.kv = self.dkv = self.root = self.draft_hidden = self.generators = None
-            return
-        idx = torch.tensor(keep, device=self.root.device)
-        self.kv.select_rows_(idx)
-        self.root = self.root[idx]
-        self.pending_aux = [t[idx] for t in self.pending_aux]
-        self.pending_tokens = [t[idx] for t in self.pending_tokens]
-        if self.dkv is not None:
-            self.dkv.select_rows_(idx)
-            self.draft_hidden = self.draft_hidden[idx]
-        if self.generators is not None:
-            self.generators = [self.generators[i] for i in keep]
-
-
-def _pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Concatenate two caches [B, heads, W, d] along the batch, right-padding the narrower one.
-
-    The padding slots lie beyond every row's length, where the ragged layout never attends.
-    """
-    width = max(a.shape[2], b.shape[2])
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))  # noqa: E731
-    return torch.cat([pad(a), pad(b)], dim=0)
-
-
-def merge_target_kv_(into: TargetKV, new: TargetKV) -> None:
-    for mine, theirs in zip(into.cache.layers, new.cache.layers):
-        mine.keys, mine.values = _pad_cat(mine.keys, theirs.keys), _pad_cat(mine.values, theirs.values)
-    into.lengths = torch.cat([into.lengths, new.lengths])
-
-
-def merge_draft_kv_(into: DraftKV, new: DraftKV) -> None:
-    into.k, into.v = _pad_cat(into.k, new.k), _pad_cat(into.v, new.v)
-    into.lengths = torch.cat([into.lengths, new.lengths])
-
-
-# ---- the steps ------------------------------------------------------------------------------------------
-
-def _clock(device) -> float:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def prefill_lane(target, draft, requests: list[GenerationRequest], sampling: SamplingConfig, aux_layer_ids,
-                 device) -> Lane:
-    """Prompts through the target (and their features into the draft): a new lane with each first token.
-
-    Same order of operations as `eagle_core.generate.generate`'s start, on a fresh batch.
-    """
-    lane = Lane(sampling)
-    prompts = [r.prompt_ids for r in requests]
-    if not sampling.greedy:
-        seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(2 ** 63) for r in requests]
-        lane.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    lane.kv = TargetKV(len(prompts), device)
-    logits, aux, ids, lengths = prefill(target, lane.kv, prompts, aux_layer_ids)
-    lane.root = sample_next(logits, sampling, lane.generators)  # [B]
-    if draft is not None:
-        lane.dkv = DraftKV(len(prompts), device)
-        lane.draft_hidden = draft_prefill(draft, lane.dkv, aux, ids, lengths, lane.root)
-    return lane
-
-
-def plain_step_with_draft(target, lane: Lane, aux_layer_ids) -> tuple[torch.Tensor, float]:
-    """A plain decoding step that keeps what the draft will need (so trees can resume later).
-
-    The step's target features and its new token are queued on the lane; `Lane.catch_up_draft_` feeds
-    them to the draft in one forward before the next tree/chain round, so a run of plain steps costs
-    one draft forward, not one per step. Returns (next tokens [B], target seconds).
-    """
-    device = lane.root.device
-    b = lane.root.shape[0]
-    t0 = _clock(device)
-    past_width = lane.kv.width
-    ones = torch.ones(b, 1, 1, dtype=torch.bool, device=device)
-    hidden, aux = target_forward(target, lane.kv, lane.root[:, None], lane.kv.lengths[:, None], ones, aux_layer_ids)
-    n_new = torch.ones(b, dtype=torch.long, device=device)
-    lane.kv.keep_new_(past_width, torch.zeros(b, 1, dtype=torch.long, device=device), n_new)
-    nxt = sample_next(target.get_output_embeddings()(hidden[:, 0]), lane.sampling, lane.generators)
-    # Feature of the root's position pairs with the token after it (EAGLE's pairing, as in prefill).
-    lane.pending_aux.append(aux)
-    lane.pending_tokens.append(nxt[:, None])
-    return nxt, _clock(device) - t0
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            if keep:
+                self.state.select_rows_(keep)
+            else:
+                self.state = None
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
@@ -345,8 +242,6 @@ class Engine:
     def __init__(self, target, tokenizer, draft, config: EngineConfig, metrics=None):
         self.target, self.tokenizer, self.draft, self.config = target, tokenizer, draft, config
         self.metrics = metrics
-        self.device = target.get_input_embeddings().weight.device
-        self.aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if eos is not None else set()
         self.lanes: dict[tuple, Lane] = {}
@@ -439,20 +334,20 @@ class Engine:
                 self.admitting -= len(group)
 
     def _prefill_group(self, key, group: list[GenerationRequest], rows: list[_Row]) -> None:
-        t0 = _clock(self.device)
-        lane = prefill_lane(self.target, self.draft, group, group[0].sampling, self.aux_layer_ids, self.device)
-        lane.rows = rows
-        dt = _clock(self.device) - t0
-        for row, token in zip(rows, lane.root.tolist()):
-            row.stats.prefill_s = dt
-            row.emit([token])
+        seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(2 ** 63) for r in group]
+        state, first = DecodingState.prefill(self.target, self.draft, [r.prompt_ids for r in group],
+                                             group[0].sampling, self.config.tree, seeds)
+        for i, row in enumerate(rows):
+            row.record(first, i)
         if self.metrics is not None:
-            self.metrics.on_prefill(len(rows), sum(len(r.prompt_ids) for r in group), dt)
+            self.metrics.on_prefill(len(rows), sum(len(r.prompt_ids) for r in group), first.seconds)
+        lane = Lane(group[0].sampling)
+        lane.merge_(rows, state)
         lane.drop_finished_()
         if lane.rows:
             with self.cond:
                 running = self.lanes.setdefault(key, Lane(lane.sampling))
-            running.merge_(lane, self.draft)
+            running.merge_(lane.rows, lane.state)
 
     def _round(self, lane: Lane) -> None:
         lane.drop_finished_()  # cancelled rows leave before we spend compute on them
@@ -463,42 +358,13 @@ class Engine:
             mode = self.chooser.choose(b)
         else:
             mode = choose_mode(b, self.config, self.draft is not None)
-        if mode == "plain":
-            committed, accept_lengths, draft_s, verify_s = self._plain_round(lane)
-        else:
-            tree = self.config.tree if mode == "tree" else TreeConfig.chain(self.config.tree.depth)
-            t0 = _clock(self.device)
-            lane.catch_up_draft_(self.draft)
-            catch_up_s = _clock(self.device) - t0
-            out = speculative_decode(self.target, self.draft, lane.kv, lane.dkv, lane.root, lane.draft_hidden, tree,
-                                     lane.sampling, lane.generators, self.aux_layer_ids)
-            lane.root, lane.draft_hidden = out.root, out.draft_hidden
-            accept_lengths = out.accept_length.tolist()
-            committed = [toks[: n + 1] for toks, n in zip(out.tokens.tolist(), accept_lengths)]
-            draft_s, verify_s = out.draft_s + catch_up_s, out.verify_s
+        step = lane.state.step(mode)
         if self.chooser is not None:
-            self.chooser.record(b, mode, sum(len(t) for t in committed), draft_s + verify_s)
-        for row, tokens, n in zip(lane.rows, committed, accept_lengths or [None] * b):
-            row.stats.rounds += 1
-            row.stats.draft_s += draft_s
-            row.stats.verify_s += verify_s
-            row.modes[mode] += 1
-            if n is not None:
-                row.stats.accept_lengths.append(n)
-            row.emit(tokens)
+            self.chooser.record(b, mode, sum(len(t) for t in step.tokens), step.seconds)
+        for i, row in enumerate(lane.rows):
+            row.record(step, i)
         if self.metrics is not None:
-            self.metrics.on_round(mode, b, draft_s, verify_s, accept_lengths or [])
-
-    def _plain_round(self, lane: Lane):
-        if self.draft is None:
-            t0 = _clock(self.device)
-            lane.root = decode_one_token(self.target, lane.kv, lane.root, lane.sampling, lane.generators)
-            verify_s, draft_s = _clock(self.device) - t0, 0.0
-        else:
-            lane.root, verify_s = plain_step_with_draft(self.target, lane, self.aux_layer_ids)
-            draft_s = 0.0
-        # No draft tokens were proposed: the round has no accept_length (tau counts speculative rounds).
-        return [[t] for t in lane.root.tolist()], None, draft_s, verify_s
+            self.metrics.on_round(mode, b, step.draft_s, step.verify_s, step.accept_lengths or [])
 
 
 def _lane_key(sampling: SamplingConfig) -> tuple:

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 
-from eagle_core.generate import Generator
+from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
 from pipelines.serve import protocol as P
 from pipelines.serve.config import ServeConfig
@@ -31,7 +31,7 @@ class Service:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         models = load_models(config.target, config.draft, config.device, config.dtype)
-        self.generator = Generator(models.target, models.tokenizer, models.draft, config.tree)
+        self.tokenizer, self.speculative = models.tokenizer, models.draft is not None
         self.context = min(config.max_context, models.context_length)
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
@@ -60,12 +60,12 @@ class Service:
 
     def prompt_ids(self, req) -> list[int]:
         if isinstance(req, P.ChatCompletionRequest):
-            ids = self.generator.encode(req.message_dicts)
+            ids = encode_prompt(self.tokenizer, req.message_dicts)
         else:
             prompt = req.prompt_input
             if isinstance(prompt, list) and any(not 0 <= t < self.vocab_size for t in prompt):
                 raise P.ApiError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-            ids = self.generator.encode(prompt)
+            ids = encode_prompt(self.tokenizer, prompt)
         if not ids:
             raise P.ApiError(400, "the prompt encodes to no tokens", param="prompt")
         return ids
@@ -94,7 +94,7 @@ class Service:
     def health_body(self) -> dict:
         running, waiting = self.engine.load()
         return {"status": "ok" if self.engine.thread.is_alive() else "dead", "model": self.config.served_name,
-                "speculative": self.generator.draft is not None, "running": running, "waiting": waiting}
+                "speculative": self.speculative, "running": running, "waiting": waiting}
 
     async def submit(self, req) -> tuple[GenerationRequest, asyncio.Queue, int]:
         """Validate the request against the model and queue it in the engine (ApiError 4xx / 503)."""

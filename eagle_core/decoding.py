@@ -1,0 +1,272 @@
+"""The decoding state of one batch and the steps that advance it: prefill, then plain, chain or tree rounds.
+
+Read top to bottom (gpt-fast style, each step a small function of explicit tensors): `clock`; `prefill`
+(prompts through the target), `draft_extend` / `draft_prefill` (committed target features into the
+draft's cache), `plain_step` (one token), `speculative_decode` (draft a tree -> verify it in one target
+forward -> keep the accepted path in both caches). Then `DecodingState`, which owns everything a batch
+carries between rounds -- target and draft caches, roots, the draft's hidden state, per-row samplers and
+the draft inputs that plain steps deferred -- and offers `prefill`, `step(mode)`, `select_rows_` (finished
+rows leave) and `merge_` (new rows join). Every call returns a `Step`: the tokens each row committed and
+what it cost.
+
+Two drivers: `eagle_core.generate.generate` (a fixed batch to the end, one mode) and the serving engine
+(continuous batching, a mode chosen per round). Both only schedule; the tensors live here.
+
+Batch > 1: rows advance together, each accepting its own number of tokens (see `eagle_core.kv` for the
+ragged cache layout). Every mode is lossless and leaves the caches in the same state, so a batch may
+switch between them from one round to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, target_forward
+from eagle_core.tree import Tree, TreeConfig, draft_tree
+from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
+
+MODES = ("tree", "chain", "plain")
+
+
+def clock(device) -> float:
+    """Seconds (perf_counter) once the device's queued work is done: the one timer of decoding and autotune."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# ---- the steps ---------------------------------------------------------------------------------------------
+
+def prefill(target, kv: TargetKV, prompts: list[list[int]], aux_layer_ids: list[int] | None):
+    """All prompts through the target in one right-padded forward.
+
+    Returns (last logits [B, V], aux [B, L, 3H] or None, padded ids [B, L], lengths [B]).
+    """
+    device = kv.lengths.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    width = int(lengths.max())
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for row, p in enumerate(prompts):
+        ids[row, : len(p)] = torch.tensor(p, device=device)
+    valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
+    position_ids = torch.arange(width, device=device).expand_as(ids)
+    hidden, aux = target_forward(target, kv, ids, position_ids, causal_mask(valid), aux_layer_ids)
+    kv.keep_new_(0, torch.arange(width, device=device).expand_as(ids), lengths)
+    last = hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
+    return target.get_output_embeddings()(last), aux, ids, lengths
+
+
+def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tensor, n_new: torch.Tensor):
+    """Append committed target features to the draft's cache (EAGLE's first draft step, through `fc`).
+
+    aux: [B, S, 3H] target features of the newly committed positions; next_tokens: [B, S] the token after
+    each of them; row b uses its first n_new[b]. Returns the draft's output hidden state at each row's
+    last new position, [B, 1, H]: it predicts the token after the root and seeds the next tree.
+    """
+    b, s, _ = aux.shape
+    steps = torch.arange(s, device=aux.device)[None, :]
+    hidden = draft.fuse(aux)  # [B, S, H]
+    position_ids = dkv.lengths[:, None] + steps
+    mask = attention_allowed(dkv.lengths, dkv.width, causal_mask(steps < n_new[:, None]))
+    out, new_kv = draft(hidden, next_tokens, position_ids, attention_mask=mask, past_kv=dkv.past())
+    dkv.append_and_keep_(new_kv, steps.expand(b, s), n_new)
+    return out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))
+
+
+def draft_prefill(draft, dkv: DraftKV, aux: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
+                  root: torch.Tensor) -> torch.Tensor:
+    """The prompt's target features into the draft's cache; returns the hidden state the first tree grows from.
+
+    Feature at position p pairs with token p+1; the last prompt position pairs with the root (first new token).
+    """
+    next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # [B, S]
+    next_tokens.scatter_(1, (lengths - 1)[:, None], root[:, None])
+    return draft_extend(draft, dkv, aux, next_tokens, lengths)
+
+
+def plain_step(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConfig, seeds=None,
+               aux_layer_ids: list[int] | None = None):
+    """Plain decoding step: token [B] (not yet in the cache) -> (next token [B], its aux [B, 1, 3H] or None).
+
+    The token sits at position kv.lengths; the next one, drawn here, at kv.lengths + 1.
+    """
+    b = token.shape[0]
+    past_width = kv.width
+    positions = kv.lengths + 1
+    ones = torch.ones(b, 1, 1, dtype=torch.bool, device=token.device)
+    hidden, aux = target_forward(target, kv, token[:, None], kv.lengths[:, None], ones, aux_layer_ids)
+    kv.keep_new_(past_width, torch.zeros(b, 1, dtype=torch.long, device=token.device), torch.ones_like(token))
+    return sample_next(target.get_output_embeddings()(hidden[:, 0]), sampling, seeds, positions), aux
+
+
+@dataclass
+class RoundOutput:
+    tokens: torch.Tensor  # [B, W] committed tokens, row b's first accept_length[b] + 1 are valid
+    accept_length: torch.Tensor  # [B]
+    root: torch.Tensor  # [B] the bonus token: the next round's root
+    draft_hidden: torch.Tensor  # [B, 1, H]
+    draft_s: float
+    verify_s: float
+    tree: Tree | None = None  # what was verified, and the accepted path in it (autotune reads both)
+    path: torch.Tensor | None = None  # [B, W]
+
+
+def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
+                       tree_config: TreeConfig, sampling: SamplingConfig, seeds, aux_layer_ids) -> RoundOutput:
+    """One round: draft a tree from the root, verify it in one target forward, keep the accepted path."""
+    device = root.device
+    t0 = clock(device)
+    tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
+    t1 = clock(device)
+    past_width, root_positions = kv.width, kv.lengths
+    logits, aux = verify_tree(target, kv, tree, aux_layer_ids)  # [B, N, V], [B, N, 3H]
+    acc = accept(tree, logits, sampling, seeds, root_positions)
+    kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
+    t2 = clock(device)
+    # The path's features go to the draft, each paired with the token that follows it on the path
+    # (the bonus after the last accepted node): exactly the tokens this round commits.
+    path_tokens = tree.tokens.gather(1, acc.path)  # [B, W] root first
+    steps = torch.arange(acc.path.shape[1], device=device)[None, :]
+    following = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], dim=1)
+    committed = torch.where(steps == acc.accept_length[:, None], acc.bonus[:, None], following)
+    aux_path = aux.gather(1, acc.path[:, :, None].expand(-1, -1, aux.shape[-1]))
+    draft_hidden = draft_extend(draft, dkv, aux_path, committed, acc.accept_length + 1)
+    t3 = clock(device)
+    return RoundOutput(committed, acc.accept_length, acc.bonus, draft_hidden, (t1 - t0) + (t3 - t2), t2 - t1,
+                       tree, acc.path)
+
+
+# ---- the state ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    """What one call committed per row (prefill: the first token; plain: one; tree/chain: accepted + bonus)."""
+
+    mode: str  # "prefill" or one of MODES
+    tokens: list[list[int]]  # per row, in batch order
+    accept_lengths: list[int] | None  # draft tokens accepted per row; None when no draft was proposed
+    draft_s: float  # draft tree, draft cache extension (and catch-up of deferred plain steps)
+    verify_s: float  # target forward(s) with acceptance and cache update; for a prefill the whole prefill
+    round: RoundOutput | None = None  # the tensors of a tree/chain round (instrumentation)
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_s + self.verify_s
+
+
+class DecodingState:
+    """One ragged batch between rounds: caches, roots, draft hidden state, samplers, deferred draft inputs.
+
+    Built by `prefill`; advanced by `step(mode)`; `select_rows_` and `merge_` change which rows it holds.
+    Row i of every tensor (and of every returned `Step`) is the same sequence.
+    """
+
+    def __init__(self, target, draft, sampling: SamplingConfig, tree: TreeConfig | None, kv: TargetKV,
+                 dkv: DraftKV | None, root: torch.Tensor, draft_hidden: torch.Tensor | None,
+                 seeds: list[int] | None):
+        self.target, self.draft, self.sampling, self.tree = target, draft, sampling, tree
+        self.aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
+        self.kv, self.dkv = kv, dkv
+        self.root = root  # [B] last committed token, not yet in the target's cache
+        self.draft_hidden = draft_hidden  # [B, 1, H] the draft's output paired with the root
+        self.seeds = seeds  # the sampling seed of every row, None when greedy
+        # Plain steps defer the draft's cache update: their target features and tokens wait here
+        # ([B, 1, 3H] and [B, 1] per step) until a tree/chain round needs the draft.
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @classmethod
+    def prefill(cls, target, draft, prompts: list[list[int]], sampling: SamplingConfig,
+                tree: TreeConfig | None = None, seeds: list[int] | None = None) -> tuple["DecodingState", Step]:
+        """Prompts through the target (and their features into the draft); the Step holds each first token.
+
+        seeds: one per row, for sampling (ignored when greedy). A row's tokens are a function of its prompt,
+        the sampling settings and its seed alone: the token at absolute position t uses the noise of
+        (seed, t) (`verify.sample_tokens`), whichever mode, draft or batch decodes it.
+        """
+        device = target.get_input_embeddings().weight.device
+        t0 = clock(device)
+        seeds = None if sampling.greedy else list(seeds)
+        kv = TargetKV(len(prompts), device)
+        aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
+        logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
+        root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)
+        dkv, draft_hidden = None, None
+        if draft is not None:
+            dkv = DraftKV(len(prompts), device)
+            draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
+        state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seeds)
+        return state, Step("prefill", [[t] for t in root.tolist()], None, 0.0, clock(device) - t0)
+
+    @property
+    def device(self):
+        return self.root.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.root.shape[0]
+
+    def step(self, mode: str) -> Step:
+        """One round: "plain" (one target token), "tree" (`self.tree`) or "chain" (a chain of its depth)."""
+        if mode == "plain":
+            return self._plain_step()
+        tree = self.tree if mode == "tree" else TreeConfig.chain(self.tree.depth)
+        t0 = clock(self.device)
+        caught_up = self.catch_up_draft_()
+        catch_up_s = clock(self.device) - t0 if caught_up else 0.0
+        out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
+                                 self.sampling, self.seeds, self.aux_layer_ids)
+        self.root, self.draft_hidden = out.root, out.draft_hidden
+        accept_lengths = out.accept_length.tolist()
+        tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
+        return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out)
+
+    def _plain_step(self) -> Step:
+        """With a draft, the step's features are kept (deferred) so that trees can resume later."""
+        t0 = clock(self.device)
+        nxt, aux = plain_step(self.target, self.kv, self.root, self.sampling, self.seeds, self.aux_layer_ids)
+        if self.draft is not None:
+            # Feature of the root's position pairs with the token after it (EAGLE's pairing, as in prefill).
+            self.pending.append((aux, nxt[:, None]))
+        self.root = nxt
+        # No draft tokens were proposed: the step has no accept_length (tau counts speculative rounds).
+        return Step("plain", [[t] for t in nxt.tolist()], None, 0.0, clock(self.device) - t0)
+
+    def catch_up_draft_(self) -> bool:
+        """Extend the draft's cache with every deferred plain step in one forward (same entries as one by one)."""
+        if not self.pending:
+            return False
+        aux = torch.cat([a for a, _ in self.pending], dim=1)  # [B, k, 3H]
+        tokens = torch.cat([t for _, t in self.pending], dim=1)  # [B, k]
+        n_new = torch.full((aux.shape[0],), aux.shape[1], dtype=torch.long, device=aux.device)
+        self.draft_hidden = draft_extend(self.draft, self.dkv, aux, tokens, n_new)
+        self.pending = []
+        return True
+
+    def select_rows_(self, keep: list[int]) -> None:
+        """Keep only batch rows `keep` (non-empty, in order): finished sequences leave the batch."""
+        if len(keep) == self.batch_size:
+            return
+        idx = torch.tensor(keep, device=self.device)
+        self.kv.select_rows_(idx)
+        self.root = self.root[idx]
+        self.pending = [(a[idx], t[idx]) for a, t in self.pending]
+        if self.dkv is not None:
+            self.dkv.select_rows_(idx)
+            self.draft_hidden = self.draft_hidden[idx]
+        if self.seeds is not None:
+            self.seeds = [self.seeds[i] for i in keep]
+
+    def merge_(self, other: "DecodingState") -> None:
+        """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
+        if self.dkv is not None:
+            self.catch_up_draft_()  # deferred steps are per-row equal only among the old rows
+            other.catch_up_draft_()
+            self.dkv.merge_(other.dkv)
+            self.draft_hidden = torch.cat([self.draft_hidden, other.draft_hidden])
+        self.kv.merge_(other.kv)
+        self.root = torch.cat([self.root, other.root])
+        if self.seeds is not None:
+            self.seeds = self.seeds + other.seeds

@@ -1,0 +1,121 @@
+"""The decoding state that `generate` and the serving engine both drive: plain steps of a speculative batch
+defer the draft's update exactly; rows join and leave; the engine (no Ray) switching tree/chain/plain per
+round while requests join mid-flight still returns plain decoding for every request -- greedy, and sampled:
+a seed means the same tokens with or without speculation, in any mode and any batch."""
+
+import threading
+
+import pytest
+import torch
+
+from decode_helpers import damped_tiny_llama, echo_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
+from eagle_core.decoding import DecodingState
+from eagle_core.generate import generate
+from eagle_core.target import make_tiny_llama
+from eagle_core.tree import TreeConfig
+from eagle_core.verify import SamplingConfig
+
+
+def test_deferred_draft_catch_up_equals_step_by_step():
+    """Plain fallback steps queue the draft's inputs; one catch-up forward must leave the draft's cache and
+    hidden state exactly as extending it after every step would (so trees resume with the right context)."""
+    torch.manual_seed(0)
+    target = make_tiny_llama()
+    draft = echo_draft(target)
+    greedy = SamplingConfig()
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+    with torch.inference_mode():
+        (step_by_step, _), (deferred, _) = (DecodingState.prefill(target, draft, prompts, greedy) for _ in range(2))
+        for _ in range(5):
+            step_by_step.step("plain")
+            step_by_step.catch_up_draft_()
+            deferred.step("plain")
+        deferred.catch_up_draft_()
+    assert torch.equal(step_by_step.root, deferred.root)
+    assert torch.equal(step_by_step.dkv.lengths, deferred.dkv.lengths)
+    for a, b, lengths in ((step_by_step.dkv.k, deferred.dkv.k, deferred.dkv.lengths),
+                          (step_by_step.dkv.v, deferred.dkv.v, deferred.dkv.lengths)):
+        for row, n in enumerate(lengths.tolist()):
+            torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step_by_step.draft_hidden, deferred.draft_hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def damped():
+    return damped_tiny_llama(0.8, dtype=torch.float64, seed=3)
+
+
+SAMPLINGS = [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, top_k=50)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+@torch.inference_mode()
+def test_mixed_modes_select_and_merge_equal_plain(damped, sampling):
+    """Rows decoded with a different mode every round, some leaving and a new group joining mid-way."""
+    prompts = random_prompts(5, 512, seed=5)
+    plain = generate(damped, prompts, max_new_tokens=40, temperature=sampling.temperature, top_p=sampling.top_p,
+                     top_k=sampling.top_k, seed=100).tokens  # row i samples with seed 100 + i
+    draft = echo_draft(damped)
+    state, step = DecodingState.prefill(damped, draft, prompts[:3], sampling, TreeConfig(3, 4, 10), [100, 101, 102])
+    rows = [0, 1, 2]
+    out = {i: list(t) for i, t in zip(rows, step.tokens)}
+    modes = ["tree", "plain", "plain", "chain", "plain", "tree", "tree", "chain"] * 4
+    for r, mode in enumerate(modes):
+        if r == 2:  # row 1 leaves
+            state.select_rows_([0, 2])
+            rows = [0, 2]
+        if r == 3:  # two new requests join (after deferred plain steps of the old rows)
+            new, first = DecodingState.prefill(damped, draft, prompts[3:], sampling, TreeConfig(3, 4, 10), [103, 104])
+            state.merge_(new)
+            rows += [3, 4]
+            out.update({i: list(t) for i, t in zip([3, 4], first.tokens)})
+        step = state.step(mode)
+        for i, tokens in zip(rows, step.tokens):
+            out[i] += tokens
+    for i, tokens in out.items():
+        n = min(len(tokens), len(plain[i]))
+        assert tokens[:n] == plain[i][:n] and n >= (20 if i != 1 else 2)
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in tokens)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_engine_auto_modes_and_admission_equal_plain(damped, sampling):
+    """The engine without Ray: auto policy (every mode measured), requests arriving while others decode;
+    three extra copies of the first request (same seed) get its tokens whatever their rounds' modes."""
+    from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    prompts = random_prompts(6, 512, seed=9)
+    plain = generate(damped, prompts, max_new_tokens=16, temperature=sampling.temperature, top_p=sampling.top_p,
+                     top_k=sampling.top_k, seed=100).tokens
+    prompts, plain, seeds = prompts + prompts[:1] * 3, plain + plain[:1] * 3, list(range(100, 106)) + [100] * 3
+    engine = Engine(damped, _Tokenizer(), echo_draft(damped),
+                    EngineConfig(TreeConfig(3, 4, 10), max_batch_size=4, max_waiting=8, explore_every=2))
+    done, finished = {}, threading.Semaphore(0)
+
+    def on_event(i):
+        def handle(event):
+            if event.kind != "delta":
+                done[i] = event
+                finished.release()
+        return handle
+
+    try:
+        for i, p in enumerate(prompts):
+            engine.submit(GenerationRequest(p, 16, sampling, on_event(i), seed=seeds[i]))
+        for _ in prompts:
+            assert finished.acquire(timeout=120)
+    finally:
+        engine.close()
+    modes = set()
+    for i in range(len(prompts)):
+        assert done[i].kind == "done", done[i].text
+        assert done[i].token_ids == plain[i]
+        modes |= {m for m, n in done[i].modes.items() if n}
+    assert modes == {"tree", "chain", "plain"}
