@@ -4,7 +4,6 @@ jobs fit the cluster's GPUs, and scheduled retrainings never overlap."""
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -92,7 +91,8 @@ def _schedule():
 def test_schedule_submits_the_retrain_rayjob():
     docs, cron, container = _schedule()
     assert len(cron["schedule"].split()) == 5 and cron["concurrencyPolicy"] == "Forbid"
-    assert container["command"] == ["/bin/bash", "-c"] and "kubectl create -f /rayjob/rayjob.yaml" in container["args"][0]
+    assert container["command"] == ["/bin/bash", "-c"]
+    assert "kubectl create -f /rayjob/rayjob.yaml" in container["args"][0]
     rules = docs["Role"]["rules"][0]
     assert "rayjobs" in rules["resources"] and {"create", "get", "list"} <= set(rules["verbs"])
     env = {e["name"]: e["value"] for e in container["env"]}
