@@ -71,5 +71,13 @@ headline: $(STAMP)
 		--train '{"epochs": 2, "lr": 0.001, "draft_vocab_size": 8192, "tokens_per_batch": 2048, "cpus_per_worker": 2, "checkpoint_every": 25, "warmup_ratio": 0.05}' \
 		--results bench/results/scaling.json
 
+# GPU smoke test (tools/gpu_smoke.py, a few minutes on one CUDA GPU; on a CPU-only machine it says so and exits 0).
+# It needs only torch + transformers, so it does not build the .venv: it uses the .venv's python when one
+# exists, else python3 from PATH (a bare CUDA box).  make gpu-smoke [SMOKE_PYTHON=/path/to/python]
+.PHONY: gpu-smoke
+SMOKE_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-smoke:
+	$(SMOKE_PYTHON) tools/gpu_smoke.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info

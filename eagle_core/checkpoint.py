@@ -12,11 +12,30 @@ with `speculators_model_type: eagle3`, `transformer_layer_config` and `speculato
 
 Loading validates the draft against the target when one is given: aux layer ids, hidden sizes and vocab
 that disagree fail loudly here instead of silently costing acceptance in serving.
+
+Aux layer ids across engines (the one rule; see `AUX_ID_RULE` and tests/test_export_interop.py)
+----------------------------------------------------------------------------------------------
+Our ids index transformers' `output_hidden_states` (0 = embeddings, j = output of decoder layer j-1).
+The engines read two different keys, in two conventions:
+
+    key                                         read by                         an id s captures
+    eagle_aux_hidden_state_layer_ids (top)      vLLM (read first)               hidden_states[s]      (= ours)
+    eagle_config.eagle_aux_hidden_state_...     SGLang, SpecForge; vLLM only    SGLang/SpecForge: hidden_states[s+1]
+                                                when the top-level key is       vLLM: hidden_states[s]
+                                                absent
+
+Rule: every key is written in the convention of the engine that will read it. The top-level key is
+always ours (only vLLM reads it, and reads it first). The nested key follows `engine=`: "vllm" writes
+ours, "sglang" writes ours - 1 (SGLang and SpecForge add 1 back). A marker block `eagle3_pipeline_export`
+records the engine and our ids, so our loader never has to guess; a checkpoint without it (trained
+elsewhere) is read with `load_draft(..., convention="sglang"|"vllm")`. The engines' defaults
+(`[2, N//2, N-3]` in ours, `[1, N//2-1, N-4]` in SGLang's) name the same layers, so only custom ids differ.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -31,6 +50,14 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 OUR_KEY = "eagle3_pipeline"
+EXPORT_KEY = "eagle3_pipeline_export"  # marker: which engine the nested aux-id key was written for
+ENGINES = ("vllm", "sglang")
+CONVENTIONS = ("ours", "vllm", "sglang", "specforge")  # vllm == ours; specforge == sglang
+AUX_ID_RULE = ("top-level eagle_aux_hidden_state_layer_ids: output_hidden_states index (vLLM); "
+               "eagle_config.eagle_aux_hidden_state_layer_ids: the engine named by eagle3_pipeline_export.engine "
+               "(vllm: output_hidden_states index; sglang: decoder layer whose output is captured = index - 1)")
+# Short target names that no engine can resolve, mapped to the hub model they were made from.
+RESOLVABLE_VERIFIERS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -66,8 +93,27 @@ def _layer_fields(cfg: DraftConfig) -> dict:
     return fields
 
 
-def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
+def to_engine_ids(aux_layer_ids, engine: str) -> list[int]:
+    """Our aux ids (output_hidden_states indices) as `engine` reads the nested `eagle_config` key."""
+    if engine == "vllm":
+        return [int(i) for i in aux_layer_ids]
+    if engine in ("sglang", "specforge"):
+        return [int(i) - 1 for i in aux_layer_ids]  # SGLang/SpecForge name the layer whose output is captured
+    raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES}")
+
+
+def from_engine_ids(ids, convention: str) -> list[int]:
+    """Ids written in `convention` as ours (output_hidden_states indices); inverse of `to_engine_ids`."""
+    if convention in ("ours", "vllm"):
+        return [int(i) for i in ids]
+    if convention in ("sglang", "specforge"):
+        return [int(i) + 1 for i in ids]
+    raise ValueError(f"unknown aux layer id convention {convention!r}: expected one of {CONVENTIONS}")
+
+
+def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype, engine: str = "vllm") -> dict:
     cfg = draft.config
+    ours = [int(i) for i in cfg.aux_layer_ids]
     return {
         "architectures": [EAGLE3_ARCHITECTURE],
         **_layer_fields(cfg),
@@ -75,13 +121,40 @@ def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
         "target_hidden_size": cfg.target_hidden_size,
         # Our residual stream is the un-normalised hidden state; say so rather than rely on defaults.
         "norm_before_residual": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+        # vLLM reads the top-level key first, in our convention; SGLang/SpecForge read the nested one (rule above).
+        "eagle_aux_hidden_state_layer_ids": ours,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": to_engine_ids(ours, engine), "use_aux_hidden_state": True},
         "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        EXPORT_KEY: {"engine": engine, "aux_layer_ids": ours, "rule": AUX_ID_RULE},
         OUR_KEY: cfg.to_dict(),
     }
 
 
-def speculators_config_json(draft: Eagle3Draft, dtype: torch.dtype, verifier: str | None,
+def resolve_verifier(verifier, config: DraftConfig | None = None) -> str:
+    """The verifier as an engine can resolve it: a hub model id or a local path, never a short name or "".
+
+    `verifier` is a string, or the target model / its config (its `name_or_path` is used); without one the
+    draft's lineage (`config.extra["target"]`) is tried. Our short names map to the hub model they were made
+    from (`smollm2-135m` -> HuggingFaceTB/SmolLM2-135M-Instruct, of which the embedded GGUF is a Q4_1
+    quantisation); an existing local path becomes absolute.
+    """
+    if verifier is not None and not isinstance(verifier, (str, os.PathLike)):
+        conf = getattr(verifier, "config", verifier)
+        verifier = getattr(conf, "name_or_path", None) or getattr(conf, "_name_or_path", None)
+    if not verifier and config is not None:
+        verifier = config.extra.get("target")
+    verifier = str(verifier or "").strip()
+    if not verifier:
+        raise ValueError("export_speculators needs the verifier (target) model: pass verifier= a hub model id, a "
+                         "local path, or the target model itself; an empty name would not load in vLLM")
+    if verifier in RESOLVABLE_VERIFIERS:
+        return RESOLVABLE_VERIFIERS[verifier]
+    if Path(verifier).exists():
+        return str(Path(verifier).resolve())
+    return verifier
+
+
+def speculators_config_json(draft: Eagle3Draft, dtype: torch.dtype, verifier,
                             speculative_tokens: int | None) -> dict:
     cfg = draft.config
     return {
@@ -98,7 +171,7 @@ def speculators_config_json(draft: Eagle3Draft, dtype: torch.dtype, verifier: st
             "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": speculative_tokens or cfg.ttt_steps}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier or cfg.extra.get("target", ""),
+            "verifier": {"name_or_path": resolve_verifier(verifier, cfg),
                          "architectures": ["LlamaForCausalLM"]},
         },
         "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
@@ -106,15 +179,53 @@ def speculators_config_json(draft: Eagle3Draft, dtype: torch.dtype, verifier: st
     }
 
 
-def config_from_json(data: dict) -> DraftConfig:
-    """DraftConfig from either layout; foreign checkpoints (no OUR_KEY block) are read from the HF fields."""
+def aux_layer_ids_from_json(data: dict, convention: str | None = None) -> list[int]:
+    """Our aux ids from a config.json, whoever wrote it.
+
+    Ours (an `eagle3_pipeline` block or the `eagle3_pipeline_export` marker) are read as written. For a
+    foreign checkpoint, `convention` says how its ids count: "sglang"/"specforge" read the nested
+    `eagle_config` key (what those trainers write) and add 1; "vllm" reads the top-level key, else the nested
+    one, as is. Without `convention` the top-level key (written only in vLLM's convention) is used; a
+    checkpoint with only the nested key is ambiguous and refused rather than risk feeding the wrong layers.
+    """
+    if convention is not None and convention not in CONVENTIONS:
+        raise ValueError(f"unknown aux layer id convention {convention!r}: expected one of {CONVENTIONS}")
+    if OUR_KEY in data and "aux_layer_ids" in data[OUR_KEY]:
+        return [int(i) for i in data[OUR_KEY]["aux_layer_ids"]]
+    if EXPORT_KEY in data:
+        return [int(i) for i in data[EXPORT_KEY]["aux_layer_ids"]]
+    top = data.get("eagle_aux_hidden_state_layer_ids")
+    nested = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if convention in ("sglang", "specforge"):
+        if not nested:
+            raise ValueError(f"a {convention} checkpoint keeps its aux ids in eagle_config."
+                             "eagle_aux_hidden_state_layer_ids; this config has none: refusing to guess them")
+        return from_engine_ids(nested, convention)
+    if top:
+        return from_engine_ids(top, "vllm")
+    if nested and convention in ("vllm", "ours"):
+        return from_engine_ids(nested, "vllm")
+    if nested:
+        raise ValueError(
+            f"checkpoint config has aux ids {list(nested)} only under eagle_config, which SGLang/SpecForge count "
+            "one layer shallower than vLLM: load it with convention='sglang' (trained with SpecForge or for "
+            "SGLang) or convention='vllm' (written for vLLM)")
+    raise ValueError("checkpoint config has no eagle_aux_hidden_state_layer_ids: refusing to guess them")
+
+
+def config_from_json(data: dict, convention: str | None = None) -> DraftConfig:
+    """DraftConfig from either layout; foreign checkpoints (no OUR_KEY block) are read from the HF fields.
+
+    `convention`: how a foreign checkpoint counts its aux layer ids (see `aux_layer_ids_from_json`).
+    """
     if OUR_KEY in data:
-        return DraftConfig.from_dict(data[OUR_KEY])
+        config = DraftConfig.from_dict(data[OUR_KEY])
+        if EXPORT_KEY in data and list(data[EXPORT_KEY]["aux_layer_ids"]) != list(config.aux_layer_ids):
+            raise ValueError(f"config.json disagrees with itself: {EXPORT_KEY} aux_layer_ids "
+                             f"{data[EXPORT_KEY]['aux_layer_ids']} != {OUR_KEY} {config.aux_layer_ids}")
+        return config
     layer = data.get("transformer_layer_config", data)
-    aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        or data.get("eagle_aux_hidden_state_layer_ids")
-    if not aux:
-        raise ValueError("checkpoint config has no eagle_aux_hidden_state_layer_ids: refusing to guess them")
+    aux = aux_layer_ids_from_json(data, convention)
     if data.get("norm_before_residual"):
         raise ValueError("norm_before_residual=True drafts are not supported by this Eagle3Draft")
     heads = layer["num_attention_heads"]
@@ -163,16 +274,40 @@ def _write(folder, config: dict, tensors: dict) -> Path:
 
 
 def save_draft(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,
-               include_embeddings: bool | None = None) -> Path:
-    """Write `draft` as config.json + model.safetensors in the vLLM/SGLang EAGLE-3 layout."""
+               include_embeddings: bool | None = None, engine: str = "vllm") -> Path:
+    """Write `draft` as config.json + model.safetensors in the vLLM/SGLang EAGLE-3 layout.
+
+    `engine` names who will serve the folder: it decides the convention of the nested
+    `eagle_config.eagle_aux_hidden_state_layer_ids` key ("vllm": ours; "sglang": ours - 1, which SGLang and
+    SpecForge read back as ours). The top-level key is always ours, for vLLM. With the default aux ids both
+    engines capture the same layers from either folder; with custom ids an SGLang server needs engine="sglang".
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES}")
+    cfg = draft.config
+    if engine == "vllm" and cfg.target_num_hidden_layers and \
+            list(cfg.aux_layer_ids) != _default_ids(cfg.target_num_hidden_layers):
+        warnings.warn(f"custom aux_layer_ids {list(cfg.aux_layer_ids)}: this folder is written for vLLM; SGLang would "
+                      "capture layers one deeper from it -- write an SGLang copy with save_draft(..., engine='sglang')",
+                      stacklevel=2)
     dtype = dtype or draft.fc.weight.dtype
-    return _write(folder, eagle3_config_json(draft, dtype), _tensors_to_save(draft, dtype, include_embeddings))
+    return _write(folder, eagle3_config_json(draft, dtype, engine), _tensors_to_save(draft, dtype, include_embeddings))
+
+
+def _default_ids(num_hidden_layers: int) -> list[int]:
+    from eagle_core.target import default_aux_layer_ids
+
+    return list(default_aux_layer_ids(num_hidden_layers))
 
 
 def export_speculators(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,
-                       verifier: str | None = None, speculative_tokens: int | None = None,
+                       verifier=None, speculative_tokens: int | None = None,
                        include_embeddings: bool | None = None) -> Path:
-    """Write `draft` in the `speculators` layout (Eagle3Speculator: `layers.0.*` keys)."""
+    """Write `draft` in the `speculators` layout (Eagle3Speculator: `layers.0.*` keys) that vLLM loads.
+
+    `verifier`: the target as vLLM must resolve it -- a hub model id, a local path, or the target model
+    itself (its `name_or_path`); see `resolve_verifier`. The aux ids go to the top-level key, ours = vLLM's.
+    """
     dtype = dtype or draft.fc.weight.dtype
     tensors = {name.replace("midlayer.", "layers.0.", 1): t
                for name, t in _tensors_to_save(draft, dtype, include_embeddings).items()}
@@ -183,12 +318,12 @@ def export_speculators(draft: Eagle3Draft, folder, dtype: torch.dtype | None = N
 # loading
 
 
-def read_config(folder) -> tuple[dict, DraftConfig]:
+def read_config(folder, convention: str | None = None) -> tuple[dict, DraftConfig]:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a draft checkpoint folder")
     data = json.loads(path.read_text())
-    return data, config_from_json(data)
+    return data, config_from_json(data, convention)
 
 
 def target_mismatches(config: DraftConfig, target) -> list[str]:
@@ -222,14 +357,15 @@ def _rename_speculators_keys(tensors: dict) -> dict:
             for name, t in tensors.items()}
 
 
-def load_draft(folder, target=None, device=None, dtype=None) -> Eagle3Draft:
+def load_draft(folder, target=None, device=None, dtype=None, convention: str | None = None) -> Eagle3Draft:
     """Load a draft saved by `save_draft` or `export_speculators` (or a compatible EAGLE-3 checkpoint).
 
     With `target` (a transformers model) the checkpoint is validated against it and, when the draft
     shares the target's embeddings, they are attached. Without it such a draft has zero embeddings until
-    `draft.set_target_embeddings(...)` is called (a warning says so).
+    `draft.set_target_embeddings(...)` is called (a warning says so). `convention` ("sglang"/"specforge" or
+    "vllm") says how a checkpoint trained elsewhere counts its aux layer ids; ours carry a marker instead.
     """
-    data, config = read_config(folder)
+    data, config = read_config(folder, convention)
     if target is not None:
         validate_against_target(config, target, source=f"draft checkpoint {folder}")
     tensors = load_file(str(Path(folder) / WEIGHTS_FILE))
