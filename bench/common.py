@@ -8,9 +8,11 @@ import platform
 import sys
 from pathlib import Path
 
+from eagle_core.shipped import shipped_draft
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-QUICK_DRAFT = ROOT / "work" / "drafts" / "smollm2-quick"
+SHIPPED_DRAFT = shipped_draft()
 
 
 def command(module: str, argv=None) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import QUICK_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
+from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
 from eagle_core.autotune import autotune
 from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
@@ -33,12 +33,11 @@ METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree")
 
 
 def describe_draft(folder: Path) -> str:
-    """Where the draft came from: its quick_draft.json, or the summary.json of the training run that exported it."""
-    quick, trained = folder / "quick_draft.json", folder.parent / "summary.json"
-    if quick.is_file():
-        info = json.loads(quick.read_text())
-        return (f"{folder.name} (jobs/quick_draft.py: {info['conversations']} ShareGPT conversations, "
-                f"{info['steps']} TTT steps, ttt_steps {info['ttt_steps']}, draft vocab {info['draft_vocab_size']})")
+    """Where the draft came from: its model card's first line, or the summary.json of the training run that
+    exported it."""
+    card, trained = folder / "README.md", folder.parent / "summary.json"
+    if card.is_file():
+        return f"{folder} ({card.read_text().splitlines()[0].lstrip('# ')})"
     if trained.is_file():
         info = json.loads(trained.read_text())
         return (f"{folder} (jobs/train.py: {info['train_rows']} training conversations of "
@@ -170,7 +169,7 @@ def markdown(summary: list[dict], meta: dict, categories: dict[str, dict[str, di
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", default=str(QUICK_DRAFT))
+    p.add_argument("--draft", default=str(SHIPPED_DRAFT))
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default=",".join(METHODS))

@@ -1,6 +1,6 @@
 """Load test: the speculative deployment vs a plain (no draft) deployment of the same target, over HTTP.
 
-  python -m bench.serve                      # SmolLM2 + work/drafts/smollm2-quick, concurrency 1 4 16
+  python -m bench.serve                      # SmolLM2 + its shipped draft, concurrency 1 4 16
   python -m bench.serve --draft DIR --concurrency 1 4 16 --requests 8 16 32 --max-tokens 48
 
 All deployments are up together (an idle replica costs no CPU). Per concurrency c, the requests go out in
@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import QUICK_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
+from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
 
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
                     "Give three tips for staying focused.", "What causes the seasons on Earth?"]
@@ -136,7 +136,7 @@ def markdown(report: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default=str(QUICK_DRAFT))
+    p.add_argument("--draft", default=str(SHIPPED_DRAFT))
     p.add_argument("--variants", nargs="+", default=["spec", "spec-tree", "plain"],
                    choices=["spec", "spec-tree", "spec-chain", "plain"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -155,7 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS / "serve.json"))
     args = p.parse_args(argv)
     if not Path(args.draft).exists() and not args.draft.startswith("models:/"):
-        raise SystemExit(f"no draft at {args.draft}: train one with `python jobs/quick_draft.py` first")
+        raise SystemExit(f"no draft at {args.draft}: train one with `python -m jobs.distill` first")
     args.requests = args.requests or [max(4, 2 * c) for c in args.concurrency]
     if len(args.requests) != len(args.concurrency):
         raise SystemExit("--requests needs one count per --concurrency level")

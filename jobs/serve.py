@@ -1,6 +1,6 @@
 """Serve the speculative decoder (target + EAGLE-3 draft) behind an OpenAI-compatible HTTP API on Ray Serve.
 
-  python jobs/serve.py --target smollm2-135m --draft work/drafts/smollm2-quick --port 8000
+  python jobs/serve.py --target smollm2-135m --draft eagle_core/drafts/smollm2-135m-instruct --port 8000
   python jobs/serve.py --draft models:/smollm2-eagle3@production --set max_batch_size=8 --set num_cpus=2
   ray job submit --address http://127.0.0.1:8265 -- python jobs/serve.py --draft ...   (stays up)
 

@@ -410,7 +410,7 @@ def local_feature_batches(model, tokenizer, n: int, max_length: int, min_loss_to
                           corpus: str | None = None, progress: str | None = None) -> list[dict]:
     """Features of the first usable conversations of a corpus file, in this process (no Ray, no regeneration):
     one batch {input_ids, loss_mask, aux_hidden, last_hidden} per conversation with at least
-    `min_loss_tokens` loss tokens, after skipping `skip` of them. For benchmarks, tests and quick drafts."""
+    `min_loss_tokens` loss tokens, after skipping `skip` of them. For benchmarks, tests and streaming distillation."""
     from itertools import islice
 
     from eagle_core.target import capture_features

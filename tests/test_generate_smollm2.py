@@ -17,11 +17,11 @@ from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.generate import generate
+from eagle_core.shipped import shipped_draft
 from eagle_core.tree import TreeConfig
 
 pytestmark = pytest.mark.slow
 
-TRAINED = Path(__file__).resolve().parents[1] / "work" / "drafts" / "smollm2-quick"
 MAX_NEW = 16
 NEAR_TIE = 1e-4
 
@@ -60,17 +60,9 @@ def setup(smollm2):
 
 
 @pytest.fixture(scope="module")
-def trained_folder(tmp_path_factory):
-    """The quick draft when one was made (make bench does), else a small one trained here by the same script."""
-    if (TRAINED / "config.json").is_file():
-        return TRAINED
-    folder = tmp_path_factory.mktemp("quick-draft") / "draft"
-    spec = importlib.util.spec_from_file_location("quick_draft", TRAINED.parents[2] / "jobs" / "quick_draft.py")
-    quick_draft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quick_draft)
-    quick_draft.main(["--out", str(folder), "--conversations", "12", "--max-length", "160", "--steps", "80",
-                      "--ttt-steps", "2", "--draft-vocab-size", "2048"])
-    return folder
+def trained_folder():
+    """The draft shipped for SmolLM2 (eagle_core/drafts): a trained draft without training one here."""
+    return shipped_draft()
 
 
 def make_draft(model, kind, trained_folder):

@@ -1,6 +1,6 @@
 """The Ray Serve deployment: FastAPI ingress in front of one `Service` per replica.
 
-  serve run pipelines.serve.app:build_app target=smollm2-135m draft=work/drafts/smollm2-quick
+  serve run pipelines.serve.app:build_app target=smollm2-135m draft=eagle_core/drafts/smollm2-135m-instruct
   serve deploy infra/serve.yaml          (or: python jobs/serve.py ...)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
