@@ -1,14 +1,19 @@
 """Decoding benchmark on MT-bench (turn 1, chat template, greedy), batch 1, methods interleaved per prompt.
 
-  python -m bench.decode                                   # defaults: 16 of the 80 questions, 128 tokens
-  python -m bench.decode --num-prompts 80 --max-new-tokens 128   # the full set (hours on 2 CPU cores)
+  python -m bench.decode                                   # defaults: 16 of the 80 questions, 96 tokens
+  python -m bench.decode --dtypes float32 --methods hf_greedy,plain,tree   # a subset
 
-Methods: HF `generate` greedy; HF prompt-lookup decoding; our plain loop (same KV cache and forward code as
-the speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
-`total_tokens` is auto-tuned on this machine first (on MT-bench questions outside the measured ones).
-Reports per method: tau (tokens per target forward, bonus counted), tokens/s, speed-up over HF greedy and
-over our plain loop, achieved memory bandwidth (weights read per second, gpt-fast habit), and whether the
-outputs equal HF greedy's token for token. Writes bench/results/decode.json and decode.md.
+Methods, in each dtype of `--dtypes` (default: float32, plus bfloat16 where the CPU has native bf16): HF
+`generate` greedy; HF prompt-lookup decoding; our plain loop (same KV cache and forward code as the
+speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
+size is auto-tuned on this machine and dtype first (on MT-bench questions outside the measured ones); ours
+with the auto policy (`generate(mode="auto")`: per round the measured-fastest of tree, chain and plain).
+Reports per method: tau (tokens per target forward, bonus counted), tokens/s, speed-up over HF greedy
+float32 (what transformers gives by default) and over our plain loop of the same dtype, achieved memory
+bandwidth (weights read per second, gpt-fast habit), outputs identical to HF greedy of the same dtype and
+the token agreement with it (matching prefix / length); then the cost table: our verify forward at 1-32
+tokens beside the bare transformers forward, our plain step, a draft level, our round overhead.
+Writes bench/results/decode.json and decode.md.
 """
 
 from __future__ import annotations
@@ -21,15 +26,20 @@ from pathlib import Path
 import torch
 
 from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
-from eagle_core.autotune import autotune
+from eagle_core.autotune import autotune, measure_draft, measure_target_forward
 from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
+from eagle_core.decoding import plain_step, prefill
 from eagle_core.generate import generate
-from eagle_core.target import load_target
+from eagle_core.kv import TargetKV
+from eagle_core.target import cpu_has_native_bf16, load_target, resolve_dtype
 from eagle_core.tree import TreeConfig
+from eagle_core.verify import SamplingConfig
 from pipelines.data import load_mtbench_questions, spread_indices
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree")
+METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "auto")
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+COST_WIDTHS = (1, 2, 4, 8, 16, 32)
 
 
 def describe_draft(folder: Path) -> str:
@@ -71,12 +81,15 @@ class Runner:
             seconds = time.perf_counter() - t0
             return dict(tokens=tokens, seconds=seconds, rounds=None, accepted=None, draft_s=None, verify_s=None)
         draft = None if method == "plain" else self.draft
-        tree = {"plain": None, "chain": self.chain, "tree": self.tree}[method]
-        res = generate(self.model, [ids], draft=draft, tree=tree, max_new_tokens=max_new_tokens, eos_token_id=self.eos)
+        tree, mode = {"plain": (None, "plain"), "chain": (self.chain, "tree"), "tree": (self.tree, "tree"),
+                      "auto": (self.tree, "auto")}[method]
+        res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, max_new_tokens=max_new_tokens,
+                       eos_token_id=self.eos)
         seconds = time.perf_counter() - t0
         s = res.stats[0]
         return dict(tokens=res.tokens[0], seconds=seconds, rounds=s.rounds, accepted=sum(s.accept_lengths),
-                    draft_s=s.draft_s, verify_s=s.verify_s)
+                    draft_rounds=len(s.accept_lengths), prefill_s=s.prefill_s, draft_s=s.draft_s,
+                    verify_s=s.verify_s, modes=s.modes)
 
 
 def tokens_per_s(runs: list[dict]) -> float:
@@ -84,26 +97,43 @@ def tokens_per_s(runs: list[dict]) -> float:
 
 
 def speculative_tau(runs: list[dict]) -> float:
-    """Tokens committed per round over runs of a draft method (accepted draft tokens + the bonus token)."""
-    return 1.0 + sum(r["accepted"] for r in runs) / sum(r["rounds"] for r in runs)
+    """Tokens committed per speculative round over runs of a draft method (accepted draft tokens + the bonus)."""
+    return 1.0 + sum(r["accepted"] for r in runs) / max(sum(r["draft_rounds"] for r in runs), 1)
 
 
-def summarize(method: str, runs: list[dict], reference: list[dict], target_bytes: int, draft_step_bytes: int,
+def agreement(runs: list[dict], reference: list[dict]) -> float:
+    """Mean over prompts of the matching prefix with the reference, as a fraction of the reference's length."""
+    fractions = []
+    for r, ref in zip(runs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref["tokens"])) if a != b),
+                    min(len(r["tokens"]), len(ref["tokens"])))
+        fractions.append(same / max(len(ref["tokens"]), 1))
+    return sum(fractions) / len(fractions)
+
+
+def summarize(label: str, runs: list[dict], reference: list[dict], target_bytes: int, draft_step_bytes: int,
               depth: int) -> dict:
+    """One variant ("tree bf16"): tokens/s, tau, forwards, bandwidth, agreement with `reference` (HF greedy of
+    the same dtype); `depth`: draft levels per round (0 without a draft)."""
+    method = label.split()[0]
     tokens = sum(len(r["tokens"]) for r in runs)
     seconds = sum(r["seconds"] for r in runs)
-    out = dict(method=method, prompts=len(runs), new_tokens=tokens, seconds=round(seconds, 2),
+    out = dict(method=label, prompts=len(runs), new_tokens=tokens, seconds=round(seconds, 2),
                tokens_per_s=tokens_per_s(runs))
     identical = [r["tokens"] == ref["tokens"] for r, ref in zip(runs, reference)]
     out["identical_to_hf_greedy"] = f"{sum(identical)}/{len(runs)}"
+    out["agreement_with_hf_greedy"] = agreement(runs, reference)
     if runs[0]["rounds"] is not None:
         rounds = sum(r["rounds"] for r in runs)
         out["tau"] = speculative_tau(runs) if method != "plain" else 1.0
         out["target_forwards"] = rounds + len(runs)  # rounds + one prefill per prompt
-        draft_steps = 0 if method == "plain" else (rounds * depth[method] + len(runs))
+        draft_rounds = sum(r["draft_rounds"] for r in runs)
+        out["modes"] = {m: sum(r["modes"].get(m, 0) for r in runs) for m in ("tree", "chain", "plain")}
         out["draft_s"] = round(sum(r["draft_s"] for r in runs), 2)
         out["verify_s"] = round(sum(r["verify_s"] for r in runs), 2)
-        moved = target_bytes * out["target_forwards"] + draft_step_bytes * draft_steps
+        other = seconds - sum(r["prefill_s"] + r["draft_s"] + r["verify_s"] for r in runs)
+        out["overhead_ms_per_round"] = 1000 * other / max(rounds, 1)  # bookkeeping outside draft and verify
+        moved = target_bytes * out["target_forwards"] + draft_step_bytes * (draft_rounds * depth + len(runs))
         out["bandwidth_GBps"] = moved / seconds / 1e9
     elif method == "hf_greedy":
         out["tau"] = 1.0
@@ -112,58 +142,76 @@ def summarize(method: str, runs: list[dict], reference: list[dict], target_bytes
 
 
 def by_category(runs: dict[str, list[dict]], categories: list[str]) -> dict[str, dict[str, dict]]:
-    """{category: {method: {tau, tokens_per_s, speedup_vs_hf_greedy}}} over the prompts of each category."""
+    """{category: {variant: {tau, tokens_per_s, speedup_vs_hf_greedy}}} over the prompts of each category."""
     table = {}
     for category in dict.fromkeys(categories):
         picked = [i for i, c in enumerate(categories) if c == category]
         row = {}
-        for method, method_runs in runs.items():
-            chosen = [method_runs[i] for i in picked]
+        for label, variant_runs in runs.items():
+            chosen = [variant_runs[i] for i in picked]
             entry = {"prompts": len(chosen), "tokens_per_s": tokens_per_s(chosen)}
-            if chosen[0]["rounds"] is not None and method != "plain":
+            if chosen[0]["rounds"] is not None and not label.startswith("plain"):
                 entry["tau"] = speculative_tau(chosen)
-            row[method] = entry
-        if "hf_greedy" in row:
-            for entry in row.values():
-                entry["speedup_vs_hf_greedy"] = entry["tokens_per_s"] / row["hf_greedy"]["tokens_per_s"]
+            row[label] = entry
+        base = row.get("hf_greedy fp32")
+        for entry in row.values():
+            entry["speedup_vs_hf_greedy"] = entry["tokens_per_s"] / base["tokens_per_s"] if base else None
         table[category] = row
     return table
 
 
 def category_markdown(table: dict[str, dict[str, dict]]) -> list[str]:
-    methods = [m for m in ("chain", "tree") if m in next(iter(table.values()))]
-    if not methods or "hf_greedy" not in next(iter(table.values())):
+    first = next(iter(table.values()))
+    labels = [label for label in first if label.split()[0] in ("tree", "auto")]
+    if not labels or "hf_greedy fp32" not in first:
         return []
-    lines = ["Per MT-bench category (speed-up over HF greedy on the same prompts):", "",
-             "| category | prompts | " + " | ".join(f"tau {m} | speed-up {m}" for m in methods) + " |",
-             "|---|---:|" + "---:|---:|" * len(methods)]
+    lines = ["Per MT-bench category (speed-up over HF greedy fp32 on the same prompts):", "",
+             "| category | prompts | " + " | ".join(f"tau {m} | speed-up {m}" for m in labels) + " |",
+             "|---|---:|" + "---:|---:|" * len(labels)]
     for category, row in table.items():
-        cells = " | ".join(f"{row[m]['tau']:.2f} | {row[m]['speedup_vs_hf_greedy']:.2f}x" for m in methods)
-        lines.append(f"| {category} | {row[methods[0]]['prompts']} | {cells} |")
+        cells = " | ".join(f"{row[m].get('tau', 1.0):.2f} | {row[m]['speedup_vs_hf_greedy']:.2f}x" for m in labels)
+        lines.append(f"| {category} | {row[labels[0]]['prompts']} | {cells} |")
     return lines + [""]
 
 
-def markdown(summary: list[dict], meta: dict, categories: dict[str, dict[str, dict]] | None = None) -> str:
-    base = {s["method"]: s["tokens_per_s"] for s in summary}
+def cost_markdown(costs: dict) -> list[str]:
+    lines = ["Costs (ms, median; context of {} tokens): a forward of N new tokens, bare transformers vs our "
+             "verification (tree mask, aux capture, logits of every node).".format(costs["context_tokens"]), "",
+             "| dtype | forward | " + " | ".join(f"{w} tok" for w in COST_WIDTHS) + " | our plain step | "
+             "draft level (top-k {}) |".format(costs["top_k"]),
+             "|---|---|" + "---:|" * (len(COST_WIDTHS) + 2)]
+    for tag, c in costs["by_dtype"].items():
+        for name, key in (("transformers", "bare_ms"), ("ours (verify)", "verify_ms")):
+            cells = " | ".join(f"{c[key][str(w)]:.1f}" for w in COST_WIDTHS)
+            extra = f" | {c['plain_step_ms']:.1f} | {c['draft_level_ms']:.1f}" if key == "verify_ms" else " | | "
+            lines.append(f"| {tag} | {name} | {cells}{extra} |")
+    return lines + [""]
+
+
+def markdown(summary: list[dict], meta: dict, categories: dict | None = None, costs: dict | None = None) -> str:
     lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
              f"`{meta['command']}`", "",
              f"{meta['prompts']} MT-bench questions (turn 1, chat template), greedy, max_new_tokens "
              f"{meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
-             f"Tree: {meta['tree']}{' (auto-tuned)' if meta['autotuned'] else ''}, chain: {meta['chain']}. "
-             f"{meta['note']}.", "",
-             "| method | tau | tokens/s | vs HF greedy | vs our plain loop | GB/s | identical to HF greedy |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"Trees (auto-tuned per dtype): {meta['trees']}, chain: {meta['chain']}. {meta['note']}.", "",
+             "| method | tau | tokens/s | vs HF greedy fp32 | vs our plain (same dtype) | GB/s | "
+             "identical to HF greedy (same dtype) | agreement | rounds tree/chain/plain |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary:
         tau = f"{s['tau']:.2f}" if "tau" in s else "n/a"
         bw = f"{s['bandwidth_GBps']:.2f}" if "bandwidth_GBps" in s else "n/a"
-        vs_hf = s["tokens_per_s"] / base["hf_greedy"] if "hf_greedy" in base else float("nan")
-        vs_plain = s["tokens_per_s"] / base["plain"] if "plain" in base else float("nan")
-        lines.append(f"| {s['method']} | {tau} | {s['tokens_per_s']:.2f} | {vs_hf:.2f}x | {vs_plain:.2f}x | {bw} | "
-                     f"{s['identical_to_hf_greedy']} |")
-    lines += ["", "tau = tokens committed per target forward (accepted draft tokens + the bonus token). GB/s = "
+        ratio = lambda x: f"{x:.2f}x" if x is not None else "n/a"  # noqa: E731
+        modes = "/".join(str(s["modes"][m]) for m in ("tree", "chain", "plain")) if "modes" in s else ""
+        lines.append(f"| {s['method']} | {tau} | {s['tokens_per_s']:.2f} | {ratio(s['speedup_vs_hf_greedy'])} | "
+                     f"{ratio(s['speedup_vs_plain'])} | {bw} | {s['identical_to_hf_greedy']} | "
+                     f"{s['agreement_with_hf_greedy']:.3f} | {modes} |")
+    lines += ["", "tau = tokens committed per speculative round (accepted draft tokens + the bonus token). GB/s = "
               "weights read per second (target weights per target forward + draft weights per draft step; "
-              "n/a where HF does not expose its forward count).", ""]
+              "n/a where HF does not expose its forward count). Agreement = matching prefix with HF greedy of the "
+              "same dtype over its length; bf16 cannot be bit-identical (a batched forward rounds differently, "
+              "so near-ties flip).", ""]
     lines += category_markdown(categories) if categories else []
+    lines += cost_markdown(costs) if costs else []
     return "\n".join(lines)
 
 
@@ -171,8 +219,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default=str(SHIPPED_DRAFT))
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bf16() else "float32")
     p.add_argument("--chain-depth", type=int, default=4)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--depth", type=int, default=6)
@@ -180,15 +229,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--autotune-prompts", type=int, default=3)
     p.add_argument("--autotune-tokens", type=int, default=48)
     p.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    p.add_argument("--costs", action=argparse.BooleanOptionalAction, default=True, help="measure the cost table")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
 
-def load_models(draft_path: str):
-    """(target, tokenizer, draft in eval mode, eos ids as a list)."""
-    model, tokenizer = load_target("smollm2-135m")
-    draft = load_draft(draft_path, target=model)
+def load_models(draft_path: str, dtype: torch.dtype):
+    """(target, tokenizer, draft in eval mode, eos ids as a list), both models in `dtype`."""
+    model, tokenizer = load_target("smollm2-135m", device="cpu", dtype=dtype)
+    draft = load_draft(draft_path, target=model, dtype=dtype)
     draft.eval()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
@@ -209,24 +259,60 @@ def choose_tree(args, model, draft, eos, prompts, calib):
     """(tree, autotune result or None): the fixed `--total-tokens` tree, else one auto-tuned on `calib`."""
     if args.total_tokens:
         return TreeConfig(args.top_k, args.depth, args.total_tokens), None
-    print(f"[bench] auto-tuning total_tokens on {len(calib)} other MT-bench questions ...", flush=True)
+    print(f"[bench] auto-tuning the tree ({model.dtype}) on {len(calib)} other MT-bench questions ...", flush=True)
     tuned = autotune(model, draft, calib, top_k=args.top_k, depth=args.depth,
                      max_new_tokens=args.autotune_tokens, eos_token_id=eos,
                      context_tokens=int(sum(map(len, prompts)) / len(prompts)) + args.max_new_tokens // 2)
-    print(f"[bench] chose {tuned.tree}; expected tokens/s by size: "
-          f"{ {k: round(v, 2) for k, v in tuned.expected_tokens_per_s.items()} }", flush=True)
+    print(f"[bench] chose {tuned.tree} (plain is {tuned.mode == 'plain' and 'faster' or 'slower'}); expected "
+          f"tokens/s: { {k: round(v, 2) for k, v in tuned.expected_tokens_per_s.items()} }, plain "
+          f"{tuned.plain_tokens_per_s:.2f}", flush=True)
     return tuned.tree, tuned
 
 
-def measure(runner: Runner, methods: list[str], prompts: list[list[int]], max_new_tokens: int) -> dict[str, list]:
-    """{method: [run per prompt]}, methods interleaved per prompt in rotating order (spreads machine drift)."""
-    runs = {m: [] for m in methods}
+@torch.inference_mode()
+def measure_costs(model, draft, top_k: int, context_tokens: int = 300, repeats: int = 5) -> dict:
+    """Bare transformers forward vs our verify forward at COST_WIDTHS, our plain step, one draft level (ms)."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, context_tokens + max(COST_WIDTHS)), generator=g)
+    cache = DynamicCache()
+    model(ids[:, :context_tokens], past_key_values=cache, use_cache=True)
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1000 * sorted(times[1:])[repeats // 2]
+
+    def bare(width):
+        model(ids[:, context_tokens: context_tokens + width], past_key_values=cache, use_cache=True, logits_to_keep=0)
+        cache.crop(context_tokens)
+
+    aux = list(draft.config.aux_layer_ids)
+    kv = TargetKV(1, "cpu")
+    prefill(model, kv, [ids[0, :context_tokens].tolist()], aux)
+    token = torch.tensor([1])
+    depth_ms = measure_draft(draft, top_k, [1, 6], context_tokens)
+    return {"bare_ms": {str(w): median_ms(lambda: bare(w)) for w in COST_WIDTHS},
+            "verify_ms": {str(w): v for w, v in measure_target_forward(model, COST_WIDTHS, context_tokens,
+                                                                        aux_layer_ids=aux).items()},
+            "plain_step_ms": median_ms(lambda: plain_step(model, kv, token, SamplingConfig(), None, aux)),
+            "draft_level_ms": (depth_ms[6] - depth_ms[1]) / 5}
+
+
+def measure(variants: dict, prompts: list[list[int]], max_new_tokens: int) -> dict[str, list]:
+    """{label: [run per prompt]}, variants interleaved per prompt in rotating order (spreads machine drift)."""
+    labels = list(variants)
+    runs = {label: [] for label in labels}
     t_start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
-        for m in order:
-            runs[m].append(runner.run(m, ids, max_new_tokens))
-        line = " ".join(f"{m}={len(runs[m][-1]['tokens']) / runs[m][-1]['seconds']:.2f}" for m in methods)
+        for label in labels[i % len(labels):] + labels[: i % len(labels)]:
+            runner, method = variants[label]
+            runs[label].append(runner.run(method, ids, max_new_tokens))
+        line = " ".join(f"{m}={len(runs[m][-1]['tokens']) / runs[m][-1]['seconds']:.1f}" for m in labels)
         print(f"[bench] prompt {i + 1}/{len(prompts)} ({len(ids)} tokens) tok/s: {line} "
               f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
     return runs
@@ -237,14 +323,20 @@ def draft_step_bytes(draft) -> int:
     return sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if not n.startswith("embed_tokens"))
 
 
-def summaries(runs: dict[str, list], methods: list[str], target_bytes: int, dstep: int, depth: dict) -> list[dict]:
-    """summarize() per method plus the speed-ups over HF greedy and over our plain loop (None when not run)."""
-    reference = runs.get("hf_greedy") or runs[methods[0]]
-    summary = [summarize(m, runs[m], reference, target_bytes, dstep, depth) for m in methods]
+def summaries(runs: dict[str, list], variants: dict) -> list[dict]:
+    """summarize() per variant plus the speed-ups over HF greedy fp32 and our plain loop of the same dtype."""
+    summary = []
+    for label, (runner, method) in variants.items():
+        tag = label.split()[1]
+        reference = runs.get(f"hf_greedy {tag}") or runs[label]
+        depth = {"chain": runner.chain.depth, "tree": runner.tree.depth, "auto": runner.tree.depth}.get(method, 0)
+        summary.append(summarize(label, runs[label], reference, param_bytes(runner.model),
+                                 draft_step_bytes(runner.draft), depth))
     base = {s["method"]: s["tokens_per_s"] for s in summary}
     for s in summary:
-        s["speedup_vs_hf_greedy"] = s["tokens_per_s"] / base["hf_greedy"] if "hf_greedy" in base else None
-        s["speedup_vs_plain"] = s["tokens_per_s"] / base["plain"] if "plain" in base else None
+        plain = base.get(f"plain {s['method'].split()[1]}")
+        s["speedup_vs_hf_greedy"] = s["tokens_per_s"] / base["hf_greedy fp32"] if "hf_greedy fp32" in base else None
+        s["speedup_vs_plain"] = s["tokens_per_s"] / plain if plain else None
     return summary
 
 
@@ -259,31 +351,37 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m for m in args.methods.split(",") if m]
-    model, tokenizer, draft, eos = load_models(args.draft)
+    dtypes = [resolve_dtype(d, "cpu") for d in args.dtypes.split(",") if d]
     questions = load_mtbench_questions()
-    chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
-    tree, tuned = choose_tree(args, model, draft, eos, prompts, calib)
     chain = TreeConfig.chain(args.chain_depth)
-    runner = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
-    for m in methods:  # warm-up: first-call costs stay out of the measurement
-        runner.run(m, calib[0][:64], 4)
+    variants, tuned, costs = {}, {}, {}
+    for dtype in dtypes:
+        model, tokenizer, draft, eos = load_models(args.draft, dtype)
+        chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
+        tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)
+        runner = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
+        for m in methods:  # warm-up: first-call costs stay out of the measurement
+            runner.run(m, calib[0][:64], 4)
+            variants[f"{m} {SHORT[dtype]}"] = (runner, m)
+        if args.costs:
+            costs[SHORT[dtype]] = measure_costs(model, draft, args.top_k)
     t_start = time.perf_counter()
-    runs = measure(runner, methods, prompts, args.max_new_tokens)
+    runs = measure(variants, prompts, args.max_new_tokens)
     wall = round(time.perf_counter() - t_start)
-    target_bytes, dstep = param_bytes(model), draft_step_bytes(draft)
-    summary = summaries(runs, methods, target_bytes, dstep, {"chain": chain.depth, "tree": tree.depth})
-    meta = dict(target="SmolLM2-135M-Instruct (float32)", draft=describe_draft(Path(args.draft)),
+    summary = summaries(runs, variants)
+    trees = {tag: str(r.tree) for tag, r in {lbl.split()[1]: v[0] for lbl, v in variants.items()}.items()}
+    meta = dict(target="SmolLM2-135M-Instruct", draft=describe_draft(Path(args.draft)),
                 machine=machine(torch.get_num_threads()), command=command("decode", argv),
                 prompts=len(prompts), question_ids=[questions[i]["question_id"] for i in chosen],
-                max_new_tokens=args.max_new_tokens, tree=str(tree), chain=str(chain), autotuned=tuned is not None,
-                target_weight_bytes=target_bytes, draft_step_bytes=dstep, wall_seconds=wall,
+                max_new_tokens=args.max_new_tokens, trees=trees, chain=str(chain), wall_seconds=wall,
                 note=f"Wall time {wall} s; timings on a shared machine are noisy, "
                      f"which is why methods are interleaved per prompt")
     categories = by_category(runs, [questions[i]["category"] for i in chosen])
-    result = dict(meta=meta, summary=summary, by_category=categories, autotune=tuned.to_dict() if tuned else None,
-                  per_prompt=per_prompt(runs))
+    cost_table = {"context_tokens": 300, "top_k": args.top_k, "by_dtype": costs} if costs else None
+    result = dict(meta=meta, summary=summary, by_category=categories, costs=cost_table,
+                  autotune={k: v.to_dict() for k, v in tuned.items() if v}, per_prompt=per_prompt(runs))
     path = write_json(Path(args.out) / "decode.json", result)
-    write_markdown(path, markdown(summary, meta, categories))
+    write_markdown(path, markdown(summary, meta, categories, cost_table))
 
 
 if __name__ == "__main__":

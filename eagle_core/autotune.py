@@ -13,6 +13,7 @@ are measured:
   calibration run gives tau(T) for every T at once.
 
 expected tokens/s (T) = tau(T) / (draft time per round + verify time(T + 1)).
+The plain loop is a candidate too (1 / one-token forward): `mode` says "plain" when no tree beats it.
 
 The depth is tuned the same way, because on a CPU every draft level costs real time: the candidates of
 the first D' levels do not depend on later levels, so a depth-D' tree of T nodes is the top T (by score)
@@ -48,6 +49,8 @@ class AutotuneResult:
     tau: dict[str, float]  # "depth/total_tokens" -> expected tokens per round (accepted + bonus)
     expected_tokens_per_s: dict[str, float]  # "depth/total_tokens" -> tau / (draft + verify time)
     calibration: dict = field(default_factory=dict)
+    plain_tokens_per_s: float = 0.0  # the plain loop: 1 / a one-token forward
+    mode: str = "tree"  # "plain" when no tree is expected to beat the plain loop
 
     @property
     def tree(self) -> TreeConfig:
@@ -161,7 +164,7 @@ def calibrate_acceptance(target, draft, prompts: list[list[int]], tree: TreeConf
                 accepted[(d, t)] += int((on_path & shallow & (sub_rank <= t)).sum())
         rounds += depth.shape[0]
 
-    res = generate(target, prompts, draft=draft, tree=tree, max_new_tokens=max_new_tokens,
+    res = generate(target, prompts, draft=draft, tree=tree, mode="tree", max_new_tokens=max_new_tokens,
                    eos_token_id=eos_token_id, on_round=on_round)
     tau = {key: 1.0 + n / max(rounds, 1) for key, n in accepted.items()}
     return tau, res
@@ -174,7 +177,7 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = 8, depth: int
     sizes = sorted({min(s, max_size) for s in sizes})
     depths = sorted(depths or range(1, depth + 1))
     t0 = time.perf_counter()
-    forward_ms = measure_target_forward(target, [s + 1 for s in sizes], context_tokens,
+    forward_ms = measure_target_forward(target, [1] + [s + 1 for s in sizes], context_tokens,
                                         aux_layer_ids=list(draft.config.aux_layer_ids))
     draft_ms = measure_draft(draft, top_k, depths, context_tokens)
     t1 = time.perf_counter()
@@ -185,6 +188,7 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = 8, depth: int
     expected = {(d, s): 1000 * tau[(d, s)] / (draft_ms[d] + interpolate(smooth, s + 1))
                 for d in depths for s in sizes if s <= TreeConfig(top_k, d, s).num_candidates}
     best_depth, best_size = max(expected, key=expected.get)
+    plain = 1000 / smooth[1]  # plain decoding is a candidate: a tree must beat it to be chosen
     calibration = dict(prompts=len(prompts), rounds=sum(s.rounds for s in res.stats),
                        new_tokens=sum(s.new_tokens for s in res.stats),
                        measure_seconds=round(t1 - t0, 1), calibration_seconds=round(t2 - t1, 1))
@@ -192,4 +196,5 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = 8, depth: int
                           forward_ms_monotone=smooth, context_tokens=context_tokens, draft_ms=draft_ms,
                           tau={f"{d}/{s}": v for (d, s), v in tau.items()},
                           expected_tokens_per_s={f"{d}/{s}": v for (d, s), v in expected.items()},
-                          calibration=calibration)
+                          calibration=calibration, plain_tokens_per_s=plain,
+                          mode="tree" if expected[(best_depth, best_size)] > plain else "plain")

@@ -2,7 +2,7 @@
 
 The request side of decoding: `RequestStats` (per-request metrics), `Request` (a request's tokens, stop
 conditions and stats, updated from each `eagle_core.decoding.Step`), and `generate`, which drives one
-`DecodingState` to the end: prefill, then rounds of one mode, finished rows leaving the batch. The serving
+`DecodingState` to the end: prefill, then rounds (one mode, or the auto policy), finished rows leaving. The serving
 engine drives the same state and the same `Request` bookkeeping with continuous batching.
 
 Speculative and plain decoding share the same caches and target forward, so the plain loop is the honest
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_core.decoding import DecodingState, Step, clock
+from eagle_core.decoding import MODES, DecodingState, Step, clock
+from eagle_core.policy import ModeChooser
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 
@@ -30,6 +31,7 @@ class RequestStats:
     tau (mean accept length): tokens committed per target forward, bonus counted = mean(accept_length) + 1.
         The plain loop has tau = 1 by definition.
     acceptance_rate: accepted draft tokens / (rounds * depth): the fraction of the longest possible path.
+    modes: rounds per decoding mode ("tree", "chain", "plain").
     draft_s / verify_s: wall time in the draft (tree + cache extension) and in the target's tree forward
         with acceptance and cache update; prefill_s: the prompt forward (target and draft).
     """
@@ -44,6 +46,7 @@ class RequestStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""
+    modes: dict[str, int] = field(default_factory=dict)  # rounds per decoding mode (tree / chain / plain)
 
     @property
     def tau(self) -> float:
@@ -89,6 +92,7 @@ class Request:
             self.stats.prefill_s = step.seconds
         else:
             self.stats.rounds += 1
+            self.stats.modes[step.mode] = self.stats.modes.get(step.mode, 0) + 1
             self.stats.draft_s += step.draft_s
             self.stats.verify_s += step.verify_s
             if step.accept_lengths is not None:
@@ -117,14 +121,17 @@ class Request:
 def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int = 0, eos_token_id=None, stop: tuple[str, ...] = (), tokenizer=None,
-             on_round=None) -> GenerationResult:
+             mode: str = "auto", on_round=None) -> GenerationResult:
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
-    TreeConfig()). temperature 0 is greedy; otherwise request i samples with seed `seed + i`, and its
-    tokens are a function of (prompt, sampling settings, seed) alone: the same with or without a draft,
-    with any tree, and whatever it is batched with. eos_token_id: an id or
-    a list of ids that end a request (included in its tokens); stop: strings that end it (needs tokenizer).
+    TreeConfig()) in `mode`: "tree", "chain" (a chain of the tree's depth), "plain", or "auto" (the
+    default): each round the mode with the best measured tokens/s at the current batch size
+    (`eagle_core.policy.ModeChooser`, plain included), so a draft that does not pay falls back to plain.
+    temperature 0 is greedy; otherwise request i samples with seed `seed + i`, and its tokens are a
+    function of (prompt, sampling settings, seed) alone: the same with or without a draft, in any mode,
+    with any tree, and whatever it is batched with. eos_token_id: an id or a list of ids that end a
+    request (included in its tokens); stop: strings that end it (needs tokenizer).
     on_round(round_output, request_indices): called after every speculative round (instrumentation).
     """
     if max_new_tokens < 1:
@@ -134,7 +141,11 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     requests = [Request(len(p), max_new_tokens, eos, tuple(stop), tokenizer, tree.depth if draft else 0)
                 for p in input_ids]
-    mode = "tree" if draft is not None else "plain"
+    if mode not in ("auto", *MODES):
+        raise ValueError(f"mode must be 'auto' or one of {MODES}, got {mode!r}")
+    if draft is None:
+        mode = "plain"
+    chooser = ModeChooser() if mode == "auto" else None
 
     t_start = clock(device)
     state, step = DecodingState.prefill(target, draft, input_ids, SamplingConfig(temperature, top_p, top_k),
@@ -152,7 +163,12 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
             break
         state.select_rows_(keep)
         active = [active[row] for row in keep]
-        step = state.step(mode)
+        if chooser is None:
+            step = state.step(mode)
+        else:
+            rows = state.batch_size
+            step = state.step(chooser.choose(rows))
+            chooser.record(rows, step.mode, sum(len(t) for t in step.tokens), step.seconds)
     for r in requests:
         r.stats.new_tokens = len(r.tokens)
     texts = [tokenizer.decode(r.tokens) for r in requests] if tokenizer is not None else None

@@ -46,8 +46,10 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype in (None, "auto"):  # bf16 where its matrix work is native (GPUs, CPUs with avx512_bf16 / AMX)
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}[str(dtype)]
 
@@ -162,7 +164,7 @@ def load_target(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = "auto",
 ):
-    """Return `(model, tokenizer)` in eval mode on `device` with `dtype` (bf16 on CUDA, fp32 on CPU by default)."""
+    """Return `(model, tokenizer)` in eval mode on `device` with `dtype` ("auto": bf16 where native, else fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()

@@ -123,13 +123,14 @@ def serve_step(args, draft_uri: str) -> list[dict]:
 
 
 def result_line(result: dict) -> str:
-    """The champion's tau and speed-up, as measured by the evaluation, said as what it is."""
+    """The champion's tau and speed-ups, as measured by the evaluation, said as what they are."""
     promoted = result["promoted"] or result["champion_tau"] is None
-    tau = result["tau"] if promoted else result["champion_tau"]
-    speedup = result["speedup"] if promoted else result["champion_speedup"]
+    pick = (lambda key: result[key]) if promoted else (lambda key: result[f"champion_{key}"])
+    speedup, tree_speedup = pick("speedup"), pick("tree_speedup")
     kind = "faster than" if speedup >= 1.0 else "slower than"
-    return (f"[demo] champion: tau {tau:.2f} tokens per target forward; speculative decoding is "
-            f"{speedup:.2f}x plain greedy decoding on this machine ({kind} plain), same output tokens")
+    return (f"[demo] champion: tau {pick('tau'):.2f} tokens per target forward; with the auto policy (trees "
+            f"where they pay, plain otherwise) decoding is {speedup:.2f}x plain greedy on this machine ({kind} "
+            f"plain; trees on every round: {tree_speedup:.2f}x), same output tokens")
 
 
 def run(args, work: str) -> None:

@@ -83,30 +83,30 @@ def load_eval_prompts(source: str, count: int) -> list[list[dict]]:
 
 
 def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: RetrainConfig) -> dict:
-    """Greedy speculative decoding of each prompt (batch 1): tau and tokens/s, beside the plain loop's."""
+    """Greedy decoding of each prompt (batch 1) three ways, interleaved: trees (tau: the draft's quality,
+    which promotion compares), the auto policy (what a user gets: trees only where they pay) and the plain
+    loop (the baseline of both speed-ups)."""
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
     from eagle_core.tree import TreeConfig
 
     tree = TreeConfig(top_k=config.eval_top_k, depth=config.eval_depth, total_tokens=config.eval_total_tokens)
-    accepted, rounds, spec_tokens, spec_s, plain_tokens, plain_s = 0, 0, 0, 0.0, 0, 0.0
+    tokens, seconds, accept_lengths = {"tree": 0, "auto": 0, "plain": 0}, {"tree": 0.0, "auto": 0.0, "plain": 0.0}, []
     for messages in prompts:
         ids = [prompt_ids(tokenizer, messages)]
-        for use_draft in (True, False):
+        for mode in tokens:
             start = time.perf_counter()
-            out = generate(target, ids, draft=draft if use_draft else None, tree=tree,
+            out = generate(target, ids, draft=None if mode == "plain" else draft, tree=tree, mode=mode,
                            max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-            seconds = time.perf_counter() - start
-            stats = out.stats[0]
-            if use_draft:
-                accepted += sum(stats.accept_lengths) + stats.rounds  # bonus token counted, as tau defines
-                rounds += stats.rounds
-                spec_tokens, spec_s = spec_tokens + stats.new_tokens, spec_s + seconds
-            else:
-                plain_tokens, plain_s = plain_tokens + stats.new_tokens, plain_s + seconds
-    spec_tps, plain_tps = spec_tokens / max(spec_s, 1e-9), plain_tokens / max(plain_s, 1e-9)
-    return {"tau": accepted / max(rounds, 1), "tokens_per_s": spec_tps, "plain_tokens_per_s": plain_tps,
-            "speedup": spec_tps / max(plain_tps, 1e-9), "prompts": len(prompts)}
+            seconds[mode] += time.perf_counter() - start
+            tokens[mode] += out.stats[0].new_tokens
+            if mode == "tree":
+                accept_lengths += out.stats[0].accept_lengths
+    tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
+    return {"tau": 1.0 + sum(accept_lengths) / max(len(accept_lengths), 1), "tokens_per_s": tps["auto"],
+            "tree_tokens_per_s": tps["tree"], "plain_tokens_per_s": tps["plain"],
+            "speedup": tps["auto"] / max(tps["plain"], 1e-9), "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9),
+            "prompts": len(prompts)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,8 +228,10 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, to
                        champion_eval["tau"] if champion_eval else None, config.margin)
     return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
             "tokens_per_s": new["tokens_per_s"], "plain_tokens_per_s": new["plain_tokens_per_s"],
-            "speedup": new["speedup"], "champion_tau": champion_eval["tau"] if champion_eval else None,
+            "speedup": new["speedup"], "tree_speedup": new["tree_speedup"],
+            "champion_tau": champion_eval["tau"] if champion_eval else None,
             "champion_speedup": champion_eval["speedup"] if champion_eval else None,
+            "champion_tree_speedup": champion_eval["tree_speedup"] if champion_eval else None,
             "champion_version": int(champion.version) if champion is not None else None,
             "reused_shards": len(manifest.get("reused_shards", [])), "shards": len(manifest["shards"]),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -101,11 +102,23 @@ def save_target(folder, tokenizer):
     return folder
 
 
+def run_app(app, name: str, route_prefix: str) -> str:
+    """Deploy `app` on this session's Serve instance (started once, on 127.0.0.1) and wait until healthy."""
+    from ray import serve
+
+    if "port" not in _LIVE:
+        _LIVE["port"] = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": _LIVE["port"]})
+    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    url = f"http://127.0.0.1:{_LIVE['port']}{route_prefix.rstrip('/')}"
+    wait_healthy(url)
+    return url
+
+
 def live_deployment(tmp_path_factory, tokenizer) -> Live:
     if "live" in _LIVE:
         return _LIVE["live"]
     import torch
-    from ray import serve
 
     from decode_helpers import echo_draft
     from eagle_core.checkpoint import load_draft, save_draft
@@ -116,17 +129,14 @@ def live_deployment(tmp_path_factory, tokenizer) -> Live:
     target, tokenizer = load_target(str(target_dir), device="cpu", dtype=torch.float32)
     folder = tmp_path_factory.mktemp("echo-draft")
     save_draft(echo_draft(target), folder)
-    args = dict(target=str(target_dir), model_name=MODEL, top_k=4, depth=4, total_tokens=12,
-                max_batch_size=4, max_waiting=4, mode_policy="static", tree_max_batch=1, chain_max_batch=2, max_context=256,
+    args = dict(target=str(target_dir), model_name=MODEL, dtype="float32", top_k=4, depth=4, total_tokens=12,
+                max_batch_size=4, max_waiting=4, mode_policy="static", tree_max_batch=1, chain_max_batch=2,
+                max_context=256,
                 max_tokens_limit=64, api_key=API_KEY, torch_threads=1, num_cpus=0.5, num_gpus=0)
     with env(EAGLE3_WORK=str(tmp_path_factory.mktemp("serve-work"))):
         args["draft"] = register_draft(folder, "tiny-echo-draft")
         app = build_app(args)  # the replica inherits EAGLE3_WORK: it resolves the registry URI itself
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app, name="eagle3-test", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
+    url = run_app(app, "eagle3-test", "/")
     config, _ = split_args(args)
     _LIVE["live"] = Live(url, target, tokenizer, load_draft(folder, target=target).eval(), config)
     return _LIVE["live"]
@@ -141,3 +151,13 @@ def sse_events(text: str) -> list:
             payload = block[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """A sample's value from Prometheus text (0 when absent); label order does not matter."""
+    want = {k: str(v) for k, v in labels.items()}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == want:
+            return float(m.group(3))
+    return 0.0

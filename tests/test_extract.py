@@ -57,7 +57,7 @@ def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_pat
     config = base_config(tmp_path, tiny_target_dir, tokens_per_batch=1)
     manifest = run_extract(config)
     rows = read_rows(config.output)
-    model, tokenizer = load_target(str(tiny_target_dir), device="cpu", dtype="float32")
+    model, tokenizer = load_target(str(tiny_target_dir), device="cpu", dtype=manifest["dtype"])
     regenerated = {}
     for f in sorted((tmp_path / "out" / "regenerated").glob("*.jsonl")):
         for line in f.read_text().splitlines():
@@ -177,6 +177,7 @@ def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
     port, dashboard = free_port(), free_port()
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
+    env.pop("MLFLOW_TRACKING_URI", None)  # an earlier test in this process may have exported one
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",

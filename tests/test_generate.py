@@ -42,7 +42,7 @@ def test_speculative_greedy_is_lossless(target, damped, prompts, config, which):
     model = target if which == "random" else damped
     draft = random_draft(model, 300) if which == "random" else echo_draft(model)
     plain = generate(model, prompts, max_new_tokens=24).tokens
-    spec = generate(model, prompts, draft=draft, tree=config, max_new_tokens=24)
+    spec = generate(model, prompts, draft=draft, tree=config, mode="tree", max_new_tokens=24)
     assert spec.tokens == plain
     if which == "echo":  # the test must exercise multi-token acceptance to mean anything
         assert max(s.tau for s in spec.stats) > 1.5
@@ -57,9 +57,9 @@ def test_seeded_speculative_sampling_equals_plain_sampling(target, damped, promp
     # a cool temperature for the echo draft: its multi-token paths must get accepted now and then
     kw = dict(max_new_tokens=24, temperature=0.9 if which == "random" else 0.2, top_p=0.95, top_k=40, seed=5)
     plain = generate(model, prompts, **kw).tokens  # row i samples with seed 5 + i
-    spec = generate(model, prompts, draft=draft, tree=config, **kw)
+    spec = generate(model, prompts, draft=draft, tree=config, mode="tree", **kw)
     assert spec.tokens == plain
-    alone = generate(model, prompts[3:4], draft=draft, tree=config, **{**kw, "seed": 8})
+    alone = generate(model, prompts[3:4], draft=draft, tree=config, mode="tree", **{**kw, "seed": 8})
     assert alone.tokens[0] == plain[3]
     other_seed = generate(model, prompts, **{**kw, "seed": 6}).tokens
     assert other_seed != plain  # the seed matters
@@ -70,9 +70,9 @@ def test_seeded_speculative_sampling_equals_plain_sampling(target, damped, promp
 @pytest.mark.parametrize("config", [TreeConfig(4, 4, 16), TreeConfig.chain(3)], ids=str)
 def test_batch_equals_one_by_one(damped, prompts, config):
     draft = echo_draft(damped)
-    batch = generate(damped, prompts, draft=draft, tree=config, max_new_tokens=20)
+    batch = generate(damped, prompts, draft=draft, tree=config, mode="tree", max_new_tokens=20)
     for p, got, stats in zip(prompts, batch.tokens, batch.stats):
-        alone = generate(damped, [p], draft=draft, tree=config, max_new_tokens=20)
+        alone = generate(damped, [p], draft=draft, tree=config, mode="tree", max_new_tokens=20)
         assert alone.tokens[0] == got
         assert alone.stats[0].accept_lengths == stats.accept_lengths  # rows advance independently
     # ...and different rows did accept different numbers of tokens in the same round
@@ -84,20 +84,20 @@ def test_stopping_rules(damped, prompts):
     plain = generate(damped, prompts, max_new_tokens=24).tokens
     # eos: pick, per prompt, a token that appears mid-way in its greedy output; all rows share the set
     eos = {row[10] for row in plain}
-    spec = generate(damped, prompts, draft=draft, tree=TreeConfig(4, 5, 20), max_new_tokens=24,
+    spec = generate(damped, prompts, draft=draft, tree=TreeConfig(4, 5, 20), mode="tree", max_new_tokens=24,
                     eos_token_id=list(eos))
     for row, got, stats in zip(plain, spec.tokens, spec.stats):
         cut = next(i for i, t in enumerate(row) if t in eos)
         assert got == row[: cut + 1] and stats.finish_reason == "eos"
     # max_new_tokens is exact even when a round accepts more than what is left
     for n in (1, 2, 5):
-        spec = generate(damped, prompts, draft=draft, tree=TreeConfig(4, 5, 20), max_new_tokens=n)
+        spec = generate(damped, prompts, draft=draft, tree=TreeConfig(4, 5, 20), mode="tree", max_new_tokens=n)
         assert spec.tokens == [row[:n] for row in plain]
 
 
 def test_stats_definitions(damped, prompts):
     config = TreeConfig(4, 5, 20)
-    res = generate(damped, prompts, draft=echo_draft(damped), tree=config, max_new_tokens=24)
+    res = generate(damped, prompts, draft=echo_draft(damped), tree=config, mode="tree", max_new_tokens=24)
     for s, toks in zip(res.stats, res.tokens):
         assert s.rounds == len(s.accept_lengths) > 0
         assert all(0 <= a <= config.depth for a in s.accept_lengths)

@@ -18,12 +18,14 @@ from eagle_core.checkpoint import load_draft
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.generate import generate
 from eagle_core.shipped import shipped_draft
+from eagle_core.target import load_target
 from eagle_core.tree import TreeConfig
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 16
 NEAR_TIE = 1e-4
+BF16_NEAR_TIE = 1.0  # logits; a 16-token bf16 forward differs from one-by-one by up to 0.75 here
 
 
 def mtbench_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -37,7 +39,7 @@ def mtbench_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def assert_equal_or_near_tie(model, prompts, got, ref):
+def assert_equal_or_near_tie(model, prompts, got, ref, near_tie: float = NEAR_TIE):
     for prompt, a, b in zip(prompts, got, ref):
         if a == b:
             continue
@@ -45,7 +47,7 @@ def assert_equal_or_near_tie(model, prompts, got, ref):
         logits = model(torch.tensor([prompt + b[:i]])).logits[0, -1].float()
         top2 = logits.topk(2).values
         gap = float(top2[0] - top2[1])
-        assert gap < NEAR_TIE, f"diverged at new token {i} with a top-2 logit gap of {gap:.2e}: a bug, not a tie"
+        assert gap < near_tie, f"diverged at new token {i} with a top-2 logit gap of {gap:.2e}: a bug, not a tie"
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +79,27 @@ def test_greedy_lossless_on_smollm2(setup, kind, request):
     model, _, prompts, plain, eos = setup
     draft = make_draft(model, kind, request.getfixturevalue("trained_folder") if kind == "trained" else None)
     # the batch with a tree, and one prompt alone with a chain
-    tree = generate(model, prompts, draft=draft, tree=TreeConfig(4, 4, 12), max_new_tokens=MAX_NEW, eos_token_id=eos)
+    tree = generate(model, prompts, draft=draft, tree=TreeConfig(4, 4, 12), mode="tree", max_new_tokens=MAX_NEW,
+                    eos_token_id=eos)
     assert_equal_or_near_tie(model, prompts, tree.tokens, plain)
-    chain = generate(model, prompts[:1], draft=draft, tree=TreeConfig.chain(3), max_new_tokens=MAX_NEW,
+    chain = generate(model, prompts[:1], draft=draft, tree=TreeConfig.chain(3), mode="tree", max_new_tokens=MAX_NEW,
                      eos_token_id=eos)
     assert_equal_or_near_tie(model, prompts[:1], chain.tokens, plain[:1])
+    auto = generate(model, prompts, draft=draft, tree=TreeConfig(4, 4, 12), max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert_equal_or_near_tie(model, prompts, auto.tokens, plain)
+    assert {"tree", "chain", "plain"} <= set().union(*(s.modes for s in auto.stats))  # the policy tried each
     if kind == "trained":
         assert sum(s.tau for s in tree.stats) / len(tree.stats) > 1.0
+
+
+def test_bf16_greedy_agrees_with_bf16_plain_except_near_ties(trained_folder):
+    """bf16 cannot be bit-identical: a batched forward rounds differently from a one-token one (measured
+    here: logits differ by up to 0.75). Every divergence must be a near-tie of that size (the agreement
+    rate is measured by bench.decode)."""
+    model, tokenizer = load_target("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    draft = load_draft(trained_folder, target=model, dtype=torch.bfloat16).eval()
+    prompts, eos = mtbench_prompts(tokenizer, 3), tokenizer.eos_token_id
+    plain = [generate(model, [p], max_new_tokens=MAX_NEW, eos_token_id=eos).tokens[0] for p in prompts]
+    tree = generate(model, prompts, draft=draft, tree=TreeConfig(4, 4, 12), mode="tree", max_new_tokens=MAX_NEW,
+                    eos_token_id=eos)
+    assert_equal_or_near_tie(model, prompts, tree.tokens, plain, near_tie=BF16_NEAR_TIE)

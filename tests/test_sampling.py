@@ -46,7 +46,8 @@ def exact_joint(target, sampling: SamplingConfig) -> torch.Tensor:
 
 
 def sampled_counts(target, sampling: SamplingConfig, seed: int) -> tuple[torch.Tensor, list]:
-    res = generate(target, [PROMPT] * N, draft=echo_draft(target), tree=TreeConfig(3, 3, 8), max_new_tokens=3,
+    res = generate(target, [PROMPT] * N, draft=echo_draft(target), tree=TreeConfig(3, 3, 8), mode="tree",
+                   max_new_tokens=3,
                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
     index = torch.tensor([(a * VOCAB + b) * VOCAB + c for a, b, c in res.tokens])
     return torch.bincount(index, minlength=VOCAB ** 3).double(), res.stats

@@ -7,16 +7,14 @@ speculative stats add up; /metrics shows the acceptance numbers; overload answer
 """
 
 import asyncio
-import re
 
 import pytest
 import torch
 
 from eagle_core.chat import prompt_ids
 from eagle_core.generate import generate
-from pipelines.serve.engine import ModeChooser
 from decode_helpers import single_thread  # noqa: F401 (autouse: 1 torch thread in this process)
-from serve_helpers import MODEL, live_deployment, sse_events
+from serve_helpers import MODEL, live_deployment, metric, sse_events
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4,", "Hello"]
 
@@ -45,24 +43,6 @@ def complete(client, **body):
     r = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **body})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def test_mode_chooser_measures_then_keeps_the_fastest_mode():
-    """Auto fallback: every mode is tried per batch-size bucket, then the fastest runs, others re-measured."""
-    chooser = ModeChooser(explore_every=8)
-    speed = {(1, "tree"): 30.0, (1, "chain"): 20.0, (1, "plain"): 10.0,
-             (16, "tree"): 40.0, (16, "chain"): 60.0, (16, "plain"): 90.0}
-    picks = {1: [], 16: []}
-    for _ in range(64):
-        for batch in (1, 12):  # 12 rows fall in the bucket of 16
-            mode = chooser.choose(batch)
-            picks[1 if batch == 1 else 16].append(mode)
-            chooser.record(batch, mode, tokens=int(speed[(ModeChooser.bucket(batch), mode)]), seconds=1.0)
-    for bucket, best in ((1, "tree"), (16, "plain")):
-        assert set(picks[bucket][:3]) == {"tree", "chain", "plain"}  # measured first
-        later = picks[bucket][3:]
-        assert later.count(best) >= 0.8 * len(later)
-        assert len(set(later)) == 3  # the others are still re-measured now and then
 
 
 def test_models_and_health(live):
@@ -182,33 +162,23 @@ def test_speculative_stats_add_up(live):
     assert spec["tau"] == pytest.approx(1 + spec["accepted_tokens"] / max(spec["draft_rounds"], 1), abs=1e-3)
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    """A sample's value from Prometheus text (0 when absent); label order does not matter."""
-    want = {k: str(v) for k, v in labels.items()}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-        if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == want:
-            return float(m.group(3))
-    return 0.0
-
-
 def test_metrics_show_acceptance(live):
     with live.client() as c:
         complete(c, prompt=PROMPTS[1], max_tokens=24)
         text = c.get("/metrics").text
     p = "eagle3_serve_"
-    rounds = _metric(text, p + "draft_rounds_total")
-    accepted = _metric(text, p + "accepted_tokens_total")
+    rounds = metric(text, p + "draft_rounds_total")
+    accepted = metric(text, p + "accepted_tokens_total")
     assert rounds > 0 and accepted > 0  # the echo draft gets tokens accepted on the tiny target
-    assert _metric(text, p + "accept_length_count") == rounds
-    assert _metric(text, p + "accept_length_sum") == accepted
-    per_position = [_metric(text, p + "accepted_at_position_total", position=d) for d in range(1, live.config.depth + 1)]
+    assert metric(text, p + "accept_length_count") == rounds
+    assert metric(text, p + "accept_length_sum") == accepted
+    per_position = [metric(text, p + "accepted_at_position_total", position=d) for d in range(1, live.config.depth + 1)]
     assert sum(per_position) == accepted  # sum over depths of P(accept_length >= d) = tau - 1
     assert all(a >= b for a, b in zip(per_position, per_position[1:]))
-    assert _metric(text, p + "generated_tokens_total") > 0
-    assert _metric(text, p + "phase_seconds_total", phase="draft") > 0
-    assert _metric(text, p + "phase_seconds_total", phase="verify") > 0
-    assert _metric(text, p + "requests_total", route="completions", code="200") > 0
+    assert metric(text, p + "generated_tokens_total") > 0
+    assert metric(text, p + "phase_seconds_total", phase="draft") > 0
+    assert metric(text, p + "phase_seconds_total", phase="verify") > 0
+    assert metric(text, p + "requests_total", route="completions", code="200") > 0
 
 
 def test_overload_answers_503_fast_and_recovers(live):

@@ -3,8 +3,8 @@ what an OpenAI client does every day works, and what this text-only server canno
 
 Properties: models.list, chat and completions answer like the raw HTTP API; a stream carries the same
 text, and usage exactly once (a final chunk with no choices) only with stream_options.include_usage;
-stop strings cut; response_format {"type": "text"}, content parts and the developer role are accepted
-(parts = their text joined, developer = system); an image part is a 400 BadRequestError naming the field.
+stop strings cut; a seed reproduces a sampled answer (the plain loop's); response_format {"type": "text"},
+content parts and the developer role are accepted (parts = their text joined, developer = system); an image part is a 400 BadRequestError naming the field.
 """
 
 import pytest
@@ -40,7 +40,8 @@ def raw(live):
 
 
 def chat(client, messages=MESSAGES, **kw):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **kw)
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    return client.chat.completions.create(model=MODEL, messages=messages, **kw)
 
 
 def test_models_list(client):
@@ -95,6 +96,24 @@ def test_stop_strings(client, raw):
     r = chat(client, stop=stop)
     assert r.choices[0].message.content == full_chat[: full_chat.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_a_sampled_answer(client, live):
+    """The SDK's `seed`: the same sampled text every time, equal to the plain loop's for that seed."""
+    import torch
+
+    from eagle_core.chat import encode_prompt
+    from eagle_core.generate import generate
+
+    sampled = dict(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95)
+    answers = {seed: [chat(client, seed=seed, **sampled).choices[0].message.content for _ in range(2)]
+               for seed in (11, 12)}
+    texts = {seed: a[0] for seed, a in answers.items()}
+    assert all(len(set(a)) == 1 for a in answers.values()), answers
+    torch.set_num_threads(1)
+    plain = generate(live.target, [encode_prompt(live.tokenizer, MESSAGES)], max_new_tokens=MAX_TOKENS,
+                     temperature=1.0, top_p=0.95, seed=11, eos_token_id=live.tokenizer.eos_token_id)
+    assert texts[11] == live.tokenizer.decode(plain.tokens[0], skip_special_tokens=True)
 
 
 def test_response_format_text_content_parts_and_developer_role(client, raw):

@@ -18,7 +18,7 @@ class ServeConfig:
     draft: str | None = None  # draft folder or models:/<name>@<alias>; None = plain decoding
     model_name: str = ""  # the id clients send as `model`; default: derived from target/draft
     device: str | None = None  # None = cuda when available, else cpu
-    dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
+    dtype: str = "auto"  # bf16 where native (GPUs, CPUs with avx512_bf16/AMX), else fp32; float32 = bit-exact
     # ---- tree (EAGLE-2) ------------------------------------------------------------------------------------
     top_k: int = 8
     depth: int = 6

@@ -34,6 +34,7 @@ import torch
 
 from eagle_core.decoding import MODES, DecodingState, Step
 from eagle_core.generate import Request, RequestStats
+from eagle_core.policy import ModeChooser
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 
@@ -83,47 +84,6 @@ def choose_mode(batch_rows: int, config: EngineConfig, has_draft: bool) -> str:
     return "tree" if batch_rows <= config.tree_max_batch else "chain"
 
 
-class ModeChooser:
-    """The auto policy: pick, per batch size, the mode with the best measured throughput.
-
-    Whether a tree pays depends on tau (the draft, the workload) and on how much a B x (total_tokens+1)
-    verification costs over a B-token step (the hardware): tree wins iff tau_tree / t_tree(B) >
-    1 / t_plain(B). Both sides are measured here, per batch-size bucket (powers of two), as an
-    exponential moving average of committed tokens per second of each round. Every mode is tried
-    first; afterwards the best one runs, and one round in `explore_every` re-measures another mode,
-    so a change of load or workload is noticed. Switching costs nothing: every mode is lossless and
-    keeps the caches in the same state.
-    """
-
-    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.25):
-        self.modes, self.explore_every, self.alpha = tuple(modes), explore_every, alpha
-        self.rate: dict[tuple[int, str], float] = {}
-        self.rounds: dict[int, int] = {}
-
-    @staticmethod
-    def bucket(batch_rows: int) -> int:
-        return 1 << (batch_rows - 1).bit_length()
-
-    def choose(self, batch_rows: int) -> str:
-        b = self.bucket(batch_rows)
-        n = self.rounds.get(b, 0)
-        untried = [m for m in self.modes if (b, m) not in self.rate]
-        if untried:
-            return untried[0]
-        best = max(self.modes, key=lambda m: self.rate[(b, m)])
-        if self.explore_every and n % self.explore_every == self.explore_every - 1:
-            others = [m for m in self.modes if m != best]
-            return others[(n // self.explore_every) % len(others)] if others else best
-        return best
-
-    def record(self, batch_rows: int, mode: str, tokens: int, seconds: float) -> None:
-        b = self.bucket(batch_rows)
-        self.rounds[b] = self.rounds.get(b, 0) + 1
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rate.get((b, mode))
-        self.rate[(b, mode)] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
-
-
 # ---- text: incremental detokenisation and stop strings -----------------------------------------------------
 
 class TextStream:
@@ -169,13 +129,12 @@ class TextStream:
 # ---- rows and lanes -----------------------------------------------------------------------------------------
 
 class _Row:
-    """One decoding request: its `Request` bookkeeping plus text and mode counts."""
+    """One decoding request: its `Request` bookkeeping (tokens, stats, rounds per mode) plus its text."""
 
     def __init__(self, request: GenerationRequest, eos: set[int], tokenizer, depth: int):
         self.request = request
         self.state = Request(len(request.prompt_ids), request.max_tokens, eos, depth=depth)
         self.text = TextStream(tokenizer, request.stop)
-        self.modes = {m: 0 for m in MODES}
         self.started = time.perf_counter()
         self.done = False
 
@@ -185,8 +144,6 @@ class _Row:
 
     def record(self, step: Step, row: int) -> None:
         """Batch row `row` of a step -> text delta event; finish on eos, length or a stop string."""
-        if step.mode in self.modes:
-            self.modes[step.mode] += 1
         before = len(self.state.tokens)
         self.done = self.state.record(step, row)
         delta, stopped = self.text.push(self.state.tokens[before:])
@@ -205,7 +162,7 @@ class _Row:
         s.total_s = time.perf_counter() - self.started
         reason = "stop" if s.finish_reason in ("eos", "stop") else s.finish_reason
         self.request.on_event(Event("done", finish_reason=reason, stats=s, token_ids=list(self.state.tokens),
-                                    modes=dict(self.modes)))
+                                    modes={m: s.modes.get(m, 0) for m in MODES}))
 
 
 class Lane:

@@ -1,0 +1,65 @@
+"""Which mode a round of speculative decoding uses: the auto policy, shared by `generate()` and the server.
+
+Speculation pays only when tokens per round outweigh what a round costs over a plain step, and both
+depend on things known only at run time: the draft and the workload (tau), the hardware and dtype (the
+cost of a B x (total_tokens+1) verification over a B-token step). So plain decoding is always a
+candidate, and the policy measures instead of predicting.
+"""
+
+from __future__ import annotations
+
+from eagle_core.decoding import MODES
+
+
+class ModeChooser:
+    """The auto policy: pick, per batch size, the mode with the best measured throughput.
+
+    Whether a tree pays depends on tau (the draft, the workload) and on how much a B x (total_tokens+1)
+    verification costs over a B-token step (the hardware): tree wins iff tau_tree / t_tree(B) >
+    1 / t_plain(B). Both sides are measured here, per batch-size bucket (powers of two), as committed
+    tokens over seconds, both exponentially decayed sums. Every mode is tried `warmup_rounds` times
+    first; afterwards the best one runs, and one round in `explore_every` re-measures another mode,
+    so a change of load or workload is noticed. Switching costs nothing: every mode is lossless and
+    keeps the caches in the same state.
+    """
+
+    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.25, warmup_rounds: int = 2):
+        self.modes, self.explore_every, self.alpha = tuple(modes), explore_every, alpha
+        self.warmup_rounds = warmup_rounds
+        # per (bucket, mode): decayed sums of committed tokens and seconds, and the number of rounds seen.
+        # A ratio of sums, not a mean of per-round rates: one unlucky round (nothing accepted) must not
+        # condemn a mode that pays on average.
+        self.tokens: dict[tuple[int, str], float] = {}
+        self.seconds: dict[tuple[int, str], float] = {}
+        self.samples: dict[tuple[int, str], int] = {}
+        self.rounds: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_rows: int) -> int:
+        return 1 << (batch_rows - 1).bit_length()
+
+    def rate(self, batch_rows: int, mode: str) -> float | None:
+        """Measured tokens/s of `mode` at this batch size, None before its first round."""
+        key = (self.bucket(batch_rows), mode)
+        return self.tokens[key] / max(self.seconds[key], 1e-9) if key in self.tokens else None
+
+    def choose(self, batch_rows: int) -> str:
+        b = self.bucket(batch_rows)
+        n = self.rounds.get(b, 0)
+        fewest = min(self.modes, key=lambda m: self.samples.get((b, m), 0))  # ties: the order of `modes`
+        if self.samples.get((b, fewest), 0) < self.warmup_rounds:
+            return fewest
+        best = max(self.modes, key=lambda m: self.rate(batch_rows, m))
+        if self.explore_every and n % self.explore_every == self.explore_every - 1:
+            others = [m for m in self.modes if m != best]
+            return others[(n // self.explore_every) % len(others)] if others else best
+        return best
+
+    def record(self, batch_rows: int, mode: str, tokens: int, seconds: float) -> None:
+        b = self.bucket(batch_rows)
+        key = (b, mode)
+        self.rounds[b] = self.rounds.get(b, 0) + 1
+        keep = 1 - self.alpha if key in self.tokens else 0.0
+        self.tokens[key] = keep * self.tokens.get(key, 0.0) + tokens
+        self.seconds[key] = keep * self.seconds.get(key, 0.0) + seconds
+        self.samples[key] = self.samples.get(key, 0) + 1

@@ -1,0 +1,60 @@
+"""The auto policy (`eagle_core.policy.ModeChooser`), which `generate()` and the serving engine share: it
+measures every mode (plain included) per batch size and keeps the fastest, so speculation that does not pay
+falls back to plain; and `generate(mode="auto")` stays lossless while it switches."""
+
+import pytest
+import torch
+
+from decode_helpers import damped_tiny_llama, echo_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
+from eagle_core.generate import generate
+from eagle_core.policy import ModeChooser
+from eagle_core.tree import TreeConfig
+
+
+def test_mode_chooser_measures_then_keeps_the_fastest_mode():
+    """Auto fallback: every mode is tried per batch-size bucket, then the fastest runs, others re-measured."""
+    chooser = ModeChooser(explore_every=8)
+    speed = {(1, "tree"): 30.0, (1, "chain"): 20.0, (1, "plain"): 10.0,
+             (16, "tree"): 40.0, (16, "chain"): 60.0, (16, "plain"): 90.0}
+    picks = {1: [], 16: []}
+    for _ in range(64):
+        for batch in (1, 12):  # 12 rows fall in the bucket of 16
+            mode = chooser.choose(batch)
+            picks[1 if batch == 1 else 16].append(mode)
+            chooser.record(batch, mode, tokens=int(speed[(ModeChooser.bucket(batch), mode)]), seconds=1.0)
+    for bucket, best in ((1, "tree"), (16, "plain")):
+        assert set(picks[bucket][:3]) == {"tree", "chain", "plain"}  # measured first
+        later = picks[bucket][3:]
+        assert later.count(best) >= 0.8 * len(later)
+        assert len(set(later)) == 3  # the others are still re-measured now and then
+
+
+def test_one_unlucky_round_does_not_condemn_a_mode():
+    """Rates are ratios of decayed sums: tree pays 3 tokens a round on average but its first round got 1."""
+    chooser = ModeChooser(modes=("tree", "plain"), explore_every=0, warmup_rounds=2)
+    tree_tokens = iter([1, 5, 3, 3, 3, 3, 3, 3])
+    picks = []
+    for _ in range(8):
+        mode = chooser.choose(1)
+        picks.append(mode)
+        tree = mode == "tree"
+        chooser.record(1, mode, tokens=next(tree_tokens) if tree else 1, seconds=1.5 if tree else 1.0)
+    assert picks[:4] == ["tree", "plain", "tree", "plain"]
+    assert picks[4:] == ["tree"] * 4  # 2 tokens/s against plain's 1, although round one alone said 0.67
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_generate_auto_equals_plain_and_uses_every_mode(temperature):
+    target = damped_tiny_llama(0.8, dtype=torch.float64, seed=3)
+    prompts = random_prompts(3, 512, seed=4)
+    kw = dict(max_new_tokens=24, temperature=temperature, top_k=50 if temperature else 0, seed=100)
+    plain = generate(target, prompts, **kw)
+    auto = generate(target, prompts, draft=echo_draft(target), tree=TreeConfig(4, 4, 12), mode="auto", **kw)
+    assert auto.tokens == plain.tokens
+    assert set().union(*(s.modes for s in auto.stats)) == {"tree", "chain", "plain"}
+    assert all(s.modes == {"plain": s.rounds} for s in plain.stats)
+
+
+def test_generate_rejects_an_unknown_mode(tiny_target):
+    with pytest.raises(ValueError, match="mode must be"):
+        generate(tiny_target, [[1, 2, 3]], draft=echo_draft(tiny_target), mode="fastest", max_new_tokens=2)
