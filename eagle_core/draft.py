@@ -94,7 +94,7 @@ class DraftConfig:
         `hidden_size=` in `overrides` makes a narrower/wider draft (`fc` still reads 3*H_target);
         `head_dim` then follows the new hidden size unless given too.
         """
-        from eagle_core.target import default_aux_layer_ids
+        from eagle_core.target import resolve_aux_layer_ids
 
         tc = getattr(target_config, "config", target_config)
         rope_theta, rope_scaling = _rope_of(tc)
@@ -112,8 +112,7 @@ class DraftConfig:
             target_hidden_size=tc.hidden_size,
             target_vocab_size=tc.vocab_size,
             draft_vocab_size=min(draft_vocab_size, tc.vocab_size),
-            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None
-            else default_aux_layer_ids(tc.num_hidden_layers),
+            aux_layer_ids=resolve_aux_layer_ids(aux_layer_ids, tc.num_hidden_layers),
             hidden_act=getattr(tc, "hidden_act", "silu"),
             target_num_hidden_layers=tc.num_hidden_layers,
         )

@@ -191,10 +191,10 @@ def committed_shards(output: str) -> set[str]:
 
 class _TargetActor:
     def __init__(self, target: str, dtype: str, aux_layer_ids):
-        from eagle_core.target import default_aux_layer_ids, default_device, load_target
+        from eagle_core.target import default_device, load_target, resolve_aux_layer_ids
 
         self.model, self.tokenizer = load_target(target, device=default_device(), dtype=dtype)
-        self.aux_layer_ids = aux_layer_ids or default_aux_layer_ids(self.model.config.num_hidden_layers)
+        self.aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, self.model.config.num_hidden_layers)
 
 
 class Regenerator(_TargetActor):
@@ -322,7 +322,7 @@ def run_extract(config: ExtractConfig) -> dict:
     """Run (or resume) an extraction; returns the manifest (also written to `<output>/manifest.json`)."""
     import ray
 
-    from eagle_core.target import default_aux_layer_ids, materialize_hf_folder, weights_fingerprint
+    from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids, weights_fingerprint
 
     started = time.perf_counter()
     ingested, rows = _ingest_rows(config)
@@ -344,7 +344,7 @@ def run_extract(config: ExtractConfig) -> dict:
     from transformers import AutoConfig
 
     target_config = AutoConfig.from_pretrained(materialize_hf_folder(config.target))
-    aux_layer_ids = config.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers)
+    aux_layer_ids = resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)
     manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
                               ingested.stats.to_dict(), weights_fingerprint(config.target))
     manifest["seconds"] = time.perf_counter() - started

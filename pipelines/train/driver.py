@@ -59,7 +59,7 @@ def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, d
 
 def _stream_data(config: TrainJobConfig) -> tuple[dict, dict, dict, dict, str]:
     """Streaming mode: a tokenising first pass for the vocabulary and step count; the feature stream itself."""
-    from eagle_core.target import default_aux_layer_ids, weights_fingerprint
+    from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
     from pipelines.extract import ExtractConfig, stream_features
 
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target,
@@ -72,7 +72,7 @@ def _stream_data(config: TrainJobConfig) -> tuple[dict, dict, dict, dict, str]:
     tc = target_config(config.target)
     lineage = {"target": config.target, "features": f"stream:{config.corpus}",
                "target_weights_hash": weights_fingerprint(config.target),
-               "aux_layer_ids": extract.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)}
+               "aux_layer_ids": resolve_aux_layer_ids(extract.aux_layer_ids, tc.num_hidden_layers)}
     dtype = extract.dtype if extract.dtype != "auto" else ("bfloat16" if config.use_gpu else "float32")
     meta = {"target_hidden_size": tc.hidden_size, "target_vocab_size": tc.vocab_size, "dtype": dtype,
             "token_counts": first["token_counts"]}
