@@ -117,7 +117,7 @@ def bench_ray(config: TrainJobConfig) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=48)
-    add_draft_training_args(p, steps=24, max_length=256, ttt_steps=7, draft_vocab_size=32000)
+    add_draft_training_args(p, steps=24, max_length=256)
     p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2, help="torch threads in both setups (Ray: CPUs per worker)")
     p.add_argument("--work", default=str(ROOT / "work" / "bench-train"))
@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def job_config(args, features: str, work: Path) -> TrainJobConfig:
     """The training job both setups run: `--steps` steps, one epoch, no mid-run checkpoints or step logs."""
     return TrainJobConfig(features=features, output=str(work / f"run-{int(time.time())}"), max_steps=args.steps,
-                          epochs=1, lr=1e-3, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
+                          epochs=1, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
                           ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, eval_fraction=0.1,
                           checkpoint_every=10 ** 6, cpus_per_worker=float(args.threads),
                           mlflow_experiment="bench-train", registered_model_name=None, log_every=10 ** 6)
