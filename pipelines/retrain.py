@@ -16,6 +16,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
+from eagle_core.tree import TreeConfig
+
 CHAMPION, CANDIDATE = "champion", "candidate"
 
 
@@ -30,9 +32,7 @@ class RetrainConfig:
     eval_prompts: str = "mtbench"  # 'mtbench' (turn 1 of the 80 questions) or a JSONL file of {"prompt"|"messages"}
     eval_count: int = 8  # held-out prompts decoded per evaluation
     eval_max_new_tokens: int = 64
-    eval_top_k: int = 8
-    eval_depth: int = 5
-    eval_total_tokens: int = 24
+    eval_tree: TreeConfig = field(default_factory=TreeConfig)  # the decoding tree of the evaluation
     margin: float = 0.05  # tau the new draft must gain over the champion to replace it
     warm_start: bool = True  # initialise from the current champion when its shapes fit
     extract: dict = field(default_factory=dict)  # ExtractConfig overrides (regenerate, max_length, ...)
@@ -86,15 +86,13 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     """Greedy speculative decoding of each prompt (batch 1): tau and tokens/s, beside the plain loop's."""
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
-    from eagle_core.tree import TreeConfig
 
-    tree = TreeConfig(top_k=config.eval_top_k, depth=config.eval_depth, total_tokens=config.eval_total_tokens)
     accepted, rounds, spec_tokens, spec_s, plain_tokens, plain_s = 0, 0, 0, 0.0, 0, 0.0
     for messages in prompts:
         ids = [prompt_ids(tokenizer, messages)]
         for use_draft in (True, False):
             start = time.perf_counter()
-            out = generate(target, ids, draft=draft if use_draft else None, tree=tree,
+            out = generate(target, ids, draft=draft if use_draft else None, tree=config.eval_tree,
                            max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
             seconds = time.perf_counter() - start
             stats = out.stats[0]
