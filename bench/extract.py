@@ -28,7 +28,7 @@ from bench.common import RESULTS, command, write_json
 def plain_loop(rows, config) -> tuple[float, int, int]:
     from eagle_core.features import featurize, tokenize_for_training
     from eagle_core.target import load_target, resolve_aux_layer_ids
-    from pipelines.extract import feature_table
+    from pipelines.feature_files import feature_table
 
     start = time.perf_counter()
     model, tokenizer = load_target(config.target, dtype=config.dtype)
@@ -43,7 +43,8 @@ def plain_loop(rows, config) -> tuple[float, int, int]:
 def ray_pipeline(rows, config) -> tuple[float, dict]:
     import ray
 
-    from pipelines.extract import _stages, plan_shards, read_shard_summary
+    from pipelines.extract import _stages, plan_shards
+    from pipelines.feature_files import read_shard_summary
 
     shards = plan_shards(rows, config.rows_per_shard)
     start = time.perf_counter()

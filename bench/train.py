@@ -40,9 +40,10 @@ from pipelines.train import (
 
 
 def ensure_features(folder: Path, conversations: int, max_length: int) -> str:
-    from pipelines.extract import ExtractConfig, load_manifest, run_extract
+    from pipelines.extract import ExtractConfig, run_extract
+    from pipelines.feature_files import load_manifest
 
-    if not (folder / "manifest.json").is_file() or load_manifest(str(folder))["limit"] != conversations:
+    if not (folder / "manifest.json").is_file() or load_manifest(str(folder)).limit != conversations:
         run_extract(ExtractConfig(corpus="sharegpt", limit=conversations, output=str(folder), regenerate=False,
                                   max_length=max_length, rows_per_shard=16, cpus_per_worker=1.0,
                                   mlflow_experiment=None))
@@ -72,16 +73,17 @@ def planned_batches(config: TrainJobConfig, meta: dict) -> list[dict]:
 
 def bench_bare(config: TrainJobConfig, threads: int) -> dict:
     from eagle_core.ttt import train_draft_steps
-    from pipelines.extract import load_manifest
+    from pipelines.feature_files import load_manifest
     from pipelines.train import build_draft
 
     torch.set_num_threads(threads)
     manifest = load_manifest(config.features)
-    meta = {k: manifest[k] for k in ("target_hidden_size", "target_vocab_size", "dtype")}
-    tconfig = target_config(manifest["target"])
-    heads = load_target_heads(manifest["target"], torch.device("cpu"))
-    d2t, t2d = vocab_from_counts(manifest["token_counts"], tconfig.vocab_size, config.draft_vocab_size)
-    draft = build_draft(config, tconfig, heads, d2t, t2d, {"aux_layer_ids": manifest["aux_layer_ids"]})
+    meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
+            "dtype": manifest.dtype}
+    tconfig = target_config(manifest.target)
+    heads = load_target_heads(manifest.target, torch.device("cpu"))
+    d2t, t2d = vocab_from_counts(manifest.token_counts, tconfig.vocab_size, config.draft_vocab_size)
+    draft = build_draft(config, tconfig, heads, d2t, t2d, {"aux_layer_ids": manifest.aux_layer_ids})
     batches = planned_batches(config, meta)
     times, tokens = [], []
     last = [time.perf_counter()]

@@ -160,7 +160,7 @@ def promote(name: str, version, new_tau: float, champion_tau: float | None, marg
 # The job
 # --------------------------------------------------------------------------------------------------
 
-def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
+def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
     from pipelines.extract import ExtractConfig, run_extract
 
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "limit": rows,
@@ -229,7 +229,7 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, to
             "speedup": new["speedup"], "champion_tau": champion_eval["tau"] if champion_eval else None,
             "champion_speedup": champion_eval["speedup"] if champion_eval else None,
             "champion_version": int(champion.version) if champion is not None else None,
-            "reused_shards": len(manifest.get("reused_shards", [])), "shards": len(manifest["shards"]),
+            "reused_shards": len(manifest.reused_shards), "shards": len(manifest.shards),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}
 
 

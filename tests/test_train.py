@@ -154,14 +154,14 @@ def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peak
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import load_target
     from pipelines import tracking
-    from pipelines.extract import load_manifest
+    from pipelines.feature_files import load_manifest
 
     mlflow = tracking.configure()
     client = mlflow.tracking.MlflowClient()
     run = client.get_run(clean["mlflow_run_id"])
     manifest = load_manifest(features)
     params = run.data.params
-    assert params["features_mlflow_run_id"] == manifest["mlflow_run_id"]
+    assert params["features_mlflow_run_id"] == manifest.mlflow_run_id
     assert len(params["features_manifest_sha256"]) == 64
     assert params["lr"] == "0.003" and params["ttt_steps"] == "3" and params["num_workers"] == "1"
     for key in ["loss", "loss_2", "acc_0", "acc_2", "lr", "tokens_per_s", "accept_length"]:
@@ -180,8 +180,8 @@ def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peak
     folder = mlflow.artifacts.download_artifacts(f"{version.source}")
     model, _ = load_target(str(peaked_target_dir), device="cpu", dtype="float32")
     draft = load_draft(folder, target=model)
-    assert draft.config.draft_vocab_size == 256 and draft.config.extra["features_mlflow_run_id"] == manifest[
-        "mlflow_run_id"]
+    assert draft.config.draft_vocab_size == 256
+    assert draft.config.extra["features_mlflow_run_id"] == manifest.mlflow_run_id
 
 
 def _fsdp_rank(rank: int, world: int, out: str) -> None:

@@ -118,7 +118,7 @@ class StreamedBatches:
 
 
 def decode_row(row: dict, meta: dict) -> dict:
-    from pipelines.extract import decode_hidden
+    from pipelines.feature_files import decode_hidden
 
     h = meta["target_hidden_size"]
     return {"id": row["id"], "slot": row.get("slot", 0),

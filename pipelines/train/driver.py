@@ -39,7 +39,7 @@ def manifest_digest(features: str) -> str:
 
 def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, dict, str]:
     """Features mode: the plan, the per-rank planned datasets, and the manifest's lineage and sizes."""
-    from pipelines.extract import load_manifest
+    from pipelines.feature_files import load_manifest
 
     manifest = load_manifest(config.features)
     train_rows, eval_rows = split_heldout(scan_features(config.features), config.eval_fraction)
@@ -47,14 +47,14 @@ def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, d
     plan.update(mode="files", train_rows=len(train_rows), eval_rows=len(eval_rows))
     per_rank = build_planned_datasets(plan, world)
     del plan["train"], plan["eval"]  # the datasets carry them; the workers need the counts only
-    lineage = {"target": manifest["target"], "features": config.features,
+    lineage = {"target": manifest.target, "features": config.features,
                "features_manifest_sha256": manifest_digest(config.features),
-               "features_mlflow_run_id": manifest.get("mlflow_run_id"),
-               "target_weights_hash": manifest.get("target_weights_hash"),
-               "aux_layer_ids": manifest["aux_layer_ids"]}
-    meta = {k: manifest[k] for k in ("target_hidden_size", "target_vocab_size", "dtype")}
-    meta["token_counts"] = manifest["token_counts"]
-    return meta, plan, per_rank, lineage, config.target or manifest["target"]
+               "features_mlflow_run_id": manifest.mlflow_run_id,
+               "target_weights_hash": manifest.target_weights_hash,
+               "aux_layer_ids": manifest.aux_layer_ids}
+    meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
+            "dtype": manifest.dtype, "token_counts": manifest.token_counts}
+    return meta, plan, per_rank, lineage, config.target or manifest.target
 
 
 def _stream_data(config: TrainJobConfig) -> tuple[dict, dict, dict, dict, str]:
