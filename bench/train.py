@@ -74,7 +74,7 @@ def planned_batches(config: TrainJobConfig, meta: dict) -> list[dict]:
 def bench_bare(config: TrainJobConfig, threads: int) -> dict:
     from eagle_core.ttt import train_draft_steps
     from pipelines.feature_files import load_manifest
-    from pipelines.train import build_draft
+    from pipelines.train import Lineage, build_draft
 
     torch.set_num_threads(threads)
     manifest = load_manifest(config.features)
@@ -83,7 +83,7 @@ def bench_bare(config: TrainJobConfig, threads: int) -> dict:
     tconfig = target_config(manifest.target)
     heads = load_target_heads(manifest.target, torch.device("cpu"))
     d2t, t2d = vocab_from_counts(manifest.token_counts, tconfig.vocab_size, config.draft_vocab_size)
-    draft = build_draft(config, tconfig, heads, d2t, t2d, {"aux_layer_ids": manifest.aux_layer_ids})
+    draft = build_draft(config, tconfig, heads, d2t, t2d, Lineage.of_features(config.features, manifest))
     batches = planned_batches(config, meta)
     times, tokens = [], []
     last = [time.perf_counter()]

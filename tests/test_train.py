@@ -110,6 +110,23 @@ def test_plan_is_independent_of_world_size():
             assert got == sorted((r["file"], r["row"]) for r in batch)
 
 
+def test_the_plan_and_the_lineage_reach_the_workers_unchanged():
+    """Both travel to the workers (and into summary.json) as JSON."""
+    from pipelines.train import Lineage, TrainPlan
+    from pipelines.train.plan import make_plan
+
+    rows = [{"id": f"c{i}", "file": f"f{i // 4}", "row": i % 4, "length": 10 + 7 * (i % 5)} for i in range(23)]
+    train, held = split_heldout(rows, 0.2)
+    plan, per_epoch, per_rank_eval = make_plan(train, held, job("x", "out", tokens_per_batch=60), world=2)
+    assert (plan.mode, plan.train_rows, plan.eval_rows) == ("files", 18, 5)
+    assert len(plan.steps_per_epoch) == len(per_epoch) == 2 and len(per_rank_eval) == 2  # epochs; ranks
+    assert all(sum(map(len, ranks)) == 18 for ranks in per_epoch)  # every training row, once per epoch
+    assert TrainPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    lineage = Lineage(target="t", features="f", aux_layer_ids=[2, 3, 4], features_mlflow_run_id="r")
+    assert Lineage.from_json(json.loads(json.dumps(lineage.to_json()))) == lineage
+    assert "aux_layer_ids" not in lineage.draft_extra() and lineage.draft_extra()["features_mlflow_run_id"] == "r"
+
+
 def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_path):
     two = run_train(job(features, tmp_path / "two", num_workers=2))
     assert two["total_steps"] == clean["total_steps"] >= 8
@@ -334,6 +351,7 @@ def test_every_collective_of_the_loop_goes_through_the_device_helper(fake_two_ra
     """Step metrics, held-out evaluation, the streaming stop flag and held-out count: each collective is the
     helper's, on the training device passed in."""
     from pipelines.train import TTTObjective, evaluate
+    from pipelines.train import TrainPlan
     from pipelines.train.batches import StreamedBatches
     from pipelines.train.metrics import global_step_metrics
 
@@ -348,7 +366,7 @@ def test_every_collective_of_the_loop_goes_through_the_device_helper(fake_two_ra
         def iter_rows(self):
             return iter([{"id": f"c{i}", "input_ids": [1] * 8} for i in range(5)])
 
-    plan = {"eval_ids": ["c1"]}
+    plan = TrainPlan(mode="stream", eval_ids=["c1"])
     batches = StreamedBatches(plan, tokens_per_batch=32, world=2, device=device, get_shard=lambda name: Stream())
     steps = list(batches.epoch(0, {"rows_consumed": 0, "step_in_epoch": 0}))
     assert [len(s.rows) for s in steps] == [2, 2] and len(list(batches.held_out())) == 1
