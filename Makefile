@@ -64,7 +64,7 @@ headline: $(STAMP)
 	$(PY) jobs/retrain.py --scales $(HEADLINE_SMALL),$(HEADLINE_ROWS) --work work/headline \
 		--registered-model smollm2-headline --mlflow-experiment eagle3-headline --eval-count 8 \
 		--extract '{"reuse_from": ["work/features/headline"], "max_new_tokens": 256, "max_length": 1024, "rows_per_shard": 32}' \
-		--train '{"epochs": 2, "lr": 0.001, "draft_vocab_size": 8192, "tokens_per_batch": 2048, "cpus_per_worker": 2, "checkpoint_every": 25, "warmup_ratio": 0.05}' \
+		--train '{"epochs": 2, "tokens_per_batch": 2048, "cpus_per_worker": 2, "checkpoint_every": 25, "warmup_ratio": 0.05}' \
 		--results bench/results/scaling.json
 
 # GPU smoke test (tools/gpu_smoke.py, a few minutes on one CUDA GPU; on a CPU-only machine it says so and exits 0).

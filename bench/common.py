@@ -53,9 +53,12 @@ def user_turn(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def add_draft_training_args(p, *, steps: int, max_length: int, ttt_steps: int, draft_vocab_size: int) -> None:
-    """The flags of the benchmarks that train a draft: optimiser steps, conversation length, TTT steps, vocab."""
+def add_draft_training_args(p, *, steps: int, max_length: int) -> None:
+    """The flags of the benchmarks that train a draft: optimiser steps, conversation length, TTT steps and draft
+    vocab (those two default to the library's, `DraftConfig`'s)."""
+    from eagle_core.draft import DraftConfig
+
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--max-length", type=int, default=max_length)
-    p.add_argument("--ttt-steps", type=int, default=ttt_steps)
-    p.add_argument("--draft-vocab-size", type=int, default=draft_vocab_size)
+    p.add_argument("--ttt-steps", type=int, default=DraftConfig.ttt_steps)
+    p.add_argument("--draft-vocab-size", type=int, default=DraftConfig.draft_vocab_size)

@@ -27,12 +27,12 @@ from bench.common import RESULTS, command, write_json
 
 def plain_loop(rows, config) -> tuple[float, int, int]:
     from eagle_core.features import featurize, tokenize_for_training
-    from eagle_core.target import default_aux_layer_ids, load_target
-    from pipelines.extract import feature_table
+    from eagle_core.target import load_target, resolve_aux_layer_ids
+    from pipelines.feature_files import feature_table
 
     start = time.perf_counter()
     model, tokenizer = load_target(config.target, dtype=config.dtype)
-    aux = config.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
+    aux = resolve_aux_layer_ids(config.aux_layer_ids, model.config.num_hidden_layers)
     tokenized, _ = tokenize_for_training(tokenizer, rows, config.max_length)
     features = featurize(model, tokenized, aux, config.tokens_per_batch)
     sink = io.BytesIO()
@@ -43,7 +43,8 @@ def plain_loop(rows, config) -> tuple[float, int, int]:
 def ray_pipeline(rows, config) -> tuple[float, dict]:
     import ray
 
-    from pipelines.extract import _stages, plan_shards, read_shard_summary
+    from pipelines.extract import _stages, plan_shards
+    from pipelines.feature_files import read_shard_summary
 
     shards = plan_shards(rows, config.rows_per_shard)
     start = time.perf_counter()

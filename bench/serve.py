@@ -134,6 +134,10 @@ def markdown(report: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from eagle_core.tree import TreeConfig
+    from pipelines.cli import add_dataclass_arguments
+    from pipelines.serve.engine import EngineConfig
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=str(SHIPPED_DRAFT))
@@ -144,10 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="per level, a multiple of c (default 2*c, at least 4)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--time-limit", type=float, default=240.0, help="seconds per level before no new requests")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--total-tokens", type=int, default=32)
-    p.add_argument("--mode-policy", default="auto", choices=["auto", "static"], help="of the `spec` variant")
+    add_dataclass_arguments(p, TreeConfig)  # --top-k, --depth, --total-tokens
+    p.add_argument("--mode-policy", default=EngineConfig.mode_policy, choices=["auto", "static"],
+                   help="of the `spec` variant")
     p.add_argument("--tree-max-batch", type=int, default=None, help="default: ServeConfig's")
     p.add_argument("--chain-max-batch", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)

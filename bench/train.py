@@ -40,9 +40,10 @@ from pipelines.train import (
 
 
 def ensure_features(folder: Path, conversations: int, max_length: int) -> str:
-    from pipelines.extract import ExtractConfig, load_manifest, run_extract
+    from pipelines.extract import ExtractConfig, run_extract
+    from pipelines.feature_files import load_manifest
 
-    if not (folder / "manifest.json").is_file() or load_manifest(str(folder))["limit"] != conversations:
+    if not (folder / "manifest.json").is_file() or load_manifest(str(folder)).limit != conversations:
         run_extract(ExtractConfig(corpus="sharegpt", limit=conversations, output=str(folder), regenerate=False,
                                   max_length=max_length, rows_per_shard=16, cpus_per_worker=1.0,
                                   mlflow_experiment=None))
@@ -72,16 +73,17 @@ def planned_batches(config: TrainJobConfig, meta: dict) -> list[dict]:
 
 def bench_bare(config: TrainJobConfig, threads: int) -> dict:
     from eagle_core.ttt import train_draft_steps
-    from pipelines.extract import load_manifest
-    from pipelines.train import build_draft
+    from pipelines.feature_files import load_manifest
+    from pipelines.train import Lineage, build_draft
 
     torch.set_num_threads(threads)
     manifest = load_manifest(config.features)
-    meta = {k: manifest[k] for k in ("target_hidden_size", "target_vocab_size", "dtype")}
-    tconfig = target_config(manifest["target"])
-    heads = load_target_heads(manifest["target"], torch.device("cpu"))
-    d2t, t2d = vocab_from_counts(manifest["token_counts"], tconfig.vocab_size, config.draft_vocab_size)
-    draft = build_draft(config, tconfig, heads, d2t, t2d, {"aux_layer_ids": manifest["aux_layer_ids"]})
+    meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
+            "dtype": manifest.dtype}
+    tconfig = target_config(manifest.target)
+    heads = load_target_heads(manifest.target, torch.device("cpu"))
+    d2t, t2d = vocab_from_counts(manifest.token_counts, tconfig.vocab_size, config.draft_vocab_size)
+    draft = build_draft(config, tconfig, heads, d2t, t2d, Lineage.of_features(config.features, manifest))
     batches = planned_batches(config, meta)
     times, tokens = [], []
     last = [time.perf_counter()]
@@ -117,7 +119,7 @@ def bench_ray(config: TrainJobConfig) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=48)
-    add_draft_training_args(p, steps=24, max_length=256, ttt_steps=7, draft_vocab_size=32000)
+    add_draft_training_args(p, steps=24, max_length=256)
     p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2, help="torch threads in both setups (Ray: CPUs per worker)")
     p.add_argument("--work", default=str(ROOT / "work" / "bench-train"))
@@ -128,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def job_config(args, features: str, work: Path) -> TrainJobConfig:
     """The training job both setups run: `--steps` steps, one epoch, no mid-run checkpoints or step logs."""
     return TrainJobConfig(features=features, output=str(work / f"run-{int(time.time())}"), max_steps=args.steps,
-                          epochs=1, lr=1e-3, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
+                          epochs=1, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
                           ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, eval_fraction=0.1,
                           checkpoint_every=10 ** 6, cpus_per_worker=float(args.threads),
                           mlflow_experiment="bench-train", registered_model_name=None, log_every=10 ** 6)

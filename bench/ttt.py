@@ -3,8 +3,8 @@
   python -m bench.ttt                  # speed + peak memory: our TTT vs the naive full-mask TTT
   python -m bench.ttt --lm-head-init   # which lm_head init trains better on real SmolLM2 features
 
-Speed: one training step (forward, backward, AdamW) of the SmolLM2-sized draft (H=576, 32k draft vocab,
-7 TTT steps, batch 1) at each sequence length, in a fresh subprocess per (implementation, length) so
+Speed: one training step (forward, backward, AdamW) of the SmolLM2-sized draft (H=576, the default draft vocab
+and TTT steps of `DraftConfig`, batch 1) at each sequence length, in a fresh subprocess per (implementation, length) so
 that the peak memory of one run is not hidden by another's. Peak memory is the process's peak RSS minus
 its RSS just before the first step on CPU, and torch's peak allocation on CUDA. Results: bench/results/ttt.json.
 """
@@ -84,9 +84,9 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     torch.manual_seed(0)
     tc = smollm2_config()
-    cfg = DraftConfig.from_target(tc, draft_vocab_size=32000)
+    cfg = DraftConfig.from_target(tc)
     draft = Eagle3Draft(cfg).to(device).train()
-    opt = make_optimizer(draft, TrainConfig(lr=1e-4))
+    opt = make_optimizer(draft, TrainConfig())
     batch = random_batch(tc, length, device)
 
     def step():
@@ -105,7 +105,8 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
     times, cpu_times = time_steps(step, iters, device)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
-        "impl": impl, "seq_len": length, "ttt_steps": cfg.ttt_steps, "iters": iters, "warmup": warmup,
+        "impl": impl, "seq_len": length, "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
+        "iters": iters, "warmup": warmup,
         "load_avg_1min_after": os.getloadavg()[0],
         "step_seconds": min(times), "step_seconds_all": times,
         "step_cpu_seconds": min(cpu_times), "threads": torch.get_num_threads(),
@@ -158,10 +159,12 @@ def speed_ratios(rows: list[dict]) -> list[dict]:
 
 
 def bench_speed(args, out_path):
-    # Runs at other lengths already in the file are kept (`--lengths 2048` can be added to a file later).
+    # Runs at other lengths already in the file are kept (`--lengths 2048` can be added to a file later), if they
+    # measured the same draft shape.
     previous = json.loads(Path(out_path).read_text())["runs"] if Path(out_path).is_file() else []
-    rows = [r for r in previous if (r["seq_len"], r["impl"]) not in
-            {(n, i) for n in args.lengths for i in args.impls}]
+    shape = {"ttt_steps": DraftConfig.ttt_steps, "draft_vocab_size": DraftConfig.draft_vocab_size}
+    rows = [r for r in previous if (r["seq_len"], r["impl"]) not in {(n, i) for n in args.lengths for i in args.impls}
+            and all(r.get(k) == v for k, v in shape.items())]
     for length in args.lengths:
         for impl in args.impls:
             row = run_child(impl, length, args)
@@ -170,7 +173,7 @@ def bench_speed(args, out_path):
             print(json.dumps(row), flush=True)
     result = {
         "what": "one TTT training step (fwd+bwd+AdamW), SmolLM2-sized draft (H=576, 9 heads, 3 kv heads), "
-                "draft vocab 32000, target vocab 49152, ttt_steps 7, batch 1",
+                f"draft vocab {shape['draft_vocab_size']}, target vocab 49152, ttt_steps {shape['ttt_steps']}, batch 1",
         "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "load_avg_1min_at_end": os.getloadavg()[0],
@@ -245,7 +248,7 @@ def train_variant(kw: dict, data, steps: int, ttt_steps: int, draft_vocab_size: 
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(model, draft_vocab_size=draft_vocab_size, d2t=d2t, t2d=t2d,
                                     ttt_steps=ttt_steps, **kw)
-    cfg = TrainConfig(lr=1e-3, warmup_steps=steps // 10, total_steps=steps, ttt_steps=ttt_steps)
+    cfg = TrainConfig(warmup_steps=steps // 10, total_steps=steps, ttt_steps=ttt_steps)
     t0 = time.perf_counter()
     history = train_draft_steps(draft, train, head, cfg)
     seconds = time.perf_counter() - t0
@@ -271,7 +274,7 @@ def bench_lm_head_init(steps: int, out_path, n_train: int, n_eval: int, max_leng
         print(name, json.dumps(results[name]), flush=True)
     train, held_out = data[1], data[2]
     result = {
-        "what": f"{steps} AdamW steps (lr 1e-3, warm-up + cosine) on {len(train)} SmolLM2 conversations "
+        "what": f"{steps} AdamW steps (lr {TrainConfig.lr:g}, warm-up + cosine) on {len(train)} SmolLM2 conversations "
                 f"(<= {max_length} tokens each, batch 1), ttt_steps {ttt_steps}, draft vocab {draft_vocab_size}; "
                 f"accuracy = top-1 agreement with the target, per TTT step, on {len(held_out)} held-out conversations",
         "command": command("ttt"),
@@ -292,7 +295,7 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=420, help="seconds per (implementation, length) run")
     p.add_argument("--out", default=None)
     p.add_argument("--lm-head-init", action="store_true", help="compare lm_head initialisations instead")
-    add_draft_training_args(p, steps=200, max_length=128, ttt_steps=2, draft_vocab_size=512)
+    add_draft_training_args(p, steps=200, max_length=128)
     p.add_argument("--n-train", type=int, default=6)
     p.add_argument("--n-eval", type=int, default=4)
     p.add_argument("--variants", nargs="+", default=None, choices=list(LM_HEAD_VARIANTS),

@@ -170,8 +170,9 @@ def calibrate_acceptance(target, draft, prompts: list[list[int]], tree: TreeConf
     return tau, res
 
 
-def autotune(target, draft, prompts: list[list[int]], top_k: int = 8, depth: int = 6, sizes=DEFAULT_SIZES,
-             depths=None, max_new_tokens: int = 48, context_tokens: int = 256, eos_token_id=None) -> AutotuneResult:
+def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.top_k, depth: int = TreeConfig.depth,
+             sizes=DEFAULT_SIZES, depths=None, max_new_tokens: int = 48, context_tokens: int = 256,
+             eos_token_id=None) -> AutotuneResult:
     """Measure, combine, choose (total_tokens and depth <= `depth`). `prompts` should look like the workload."""
     max_size = TreeConfig(top_k, depth, max(sizes)).size
     sizes = sorted({min(s, max_size) for s in sizes})

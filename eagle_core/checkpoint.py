@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_core.draft import DraftConfig, Eagle3Draft
+from eagle_core.target import default_aux_layer_ids
 from eagle_core.vocab import check_vocab_mapping
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -286,18 +287,12 @@ def save_draft(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,
         raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES}")
     cfg = draft.config
     if engine == "vllm" and cfg.target_num_hidden_layers and \
-            list(cfg.aux_layer_ids) != _default_ids(cfg.target_num_hidden_layers):
+            list(cfg.aux_layer_ids) != default_aux_layer_ids(cfg.target_num_hidden_layers):
         warnings.warn(f"custom aux_layer_ids {list(cfg.aux_layer_ids)}: this folder is written for vLLM; SGLang would "
                       "capture layers one deeper from it -- write an SGLang copy with save_draft(..., engine='sglang')",
                       stacklevel=2)
     dtype = dtype or draft.fc.weight.dtype
     return _write(folder, eagle3_config_json(draft, dtype, engine), _tensors_to_save(draft, dtype, include_embeddings))
-
-
-def _default_ids(num_hidden_layers: int) -> list[int]:
-    from eagle_core.target import default_aux_layer_ids
-
-    return list(default_aux_layer_ids(num_hidden_layers))
 
 
 def export_speculators(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,

@@ -37,7 +37,9 @@ class DraftConfig:
     max_position_embeddings: int
     target_hidden_size: int
     target_vocab_size: int
-    draft_vocab_size: int
+    # The defaults below are the library's, measured best for the SmolLM2 draft (docs/DESIGN.md): a draft vocab
+    # of the 8192 most frequent loss tokens of a 49k-token target (EAGLE-3's Llama-3 recipe uses 32000 of 128k).
+    draft_vocab_size: int = 8192
     aux_layer_ids: list[int] = field(default_factory=list)
     ttt_steps: int = 7
     # The target's RoPE scaling ({"rope_type": "llama3" | "linear", ...}); None = plain RoPE.
@@ -88,13 +90,14 @@ class DraftConfig:
         return cls(**d)
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int = 32000, aux_layer_ids=None, **overrides):
+    def from_target(cls, target_config, draft_vocab_size: int | None = None, aux_layer_ids=None, **overrides):
         """Derive the draft's shape from a transformers Llama-family config (or the target model itself).
 
-        `hidden_size=` in `overrides` makes a narrower/wider draft (`fc` still reads 3*H_target);
-        `head_dim` then follows the new hidden size unless given too.
+        `draft_vocab_size` None: the default above, capped at the target's vocab; `aux_layer_ids` None: the
+        target's default aux layers. `hidden_size=` in `overrides` makes a narrower/wider draft (`fc` still
+        reads 3*H_target); `head_dim` then follows the new hidden size unless given too.
         """
-        from eagle_core.target import default_aux_layer_ids
+        from eagle_core.target import resolve_aux_layer_ids
 
         tc = getattr(target_config, "config", target_config)
         rope_theta, rope_scaling = _rope_of(tc)
@@ -111,9 +114,8 @@ class DraftConfig:
             max_position_embeddings=tc.max_position_embeddings,
             target_hidden_size=tc.hidden_size,
             target_vocab_size=tc.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, tc.vocab_size),
-            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None
-            else default_aux_layer_ids(tc.num_hidden_layers),
+            draft_vocab_size=min(cls.draft_vocab_size if draft_vocab_size is None else draft_vocab_size, tc.vocab_size),
+            aux_layer_ids=resolve_aux_layer_ids(aux_layer_ids, tc.num_hidden_layers),
             hidden_act=getattr(tc, "hidden_act", "silu"),
             target_num_hidden_layers=tc.num_hidden_layers,
         )
@@ -396,9 +398,3 @@ class Eagle3Draft(nn.Module):
     def draft_to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
 
-
-def build_draft(target, draft_vocab_size: int = 32000, aux_layer_ids=None, d2t=None, t2d=None,
-                **overrides) -> Eagle3Draft:
-    """Function form of `Eagle3Draft.from_target`."""
-    return Eagle3Draft.from_target(target, d2t=d2t, t2d=t2d, draft_vocab_size=draft_vocab_size,
-                                   aux_layer_ids=aux_layer_ids, **overrides)

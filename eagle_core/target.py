@@ -43,6 +43,16 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     return [2, n // 2, n - 3]
 
 
+def resolve_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> list[int]:
+    """The aux layers to capture: the ones given, else the default for a target of `num_hidden_layers`.
+
+    Every place that accepts "None = the default aux layers" resolves them here.
+    """
+    if aux_layer_ids is None:
+        return default_aux_layer_ids(num_hidden_layers)
+    return [int(i) for i in aux_layer_ids]
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -285,8 +295,7 @@ def capture_features(
     return_logits: bool = False,
 ) -> TargetFeatures:
     """One target forward returning the aux features (3H) and the final hidden state (H)."""
-    if aux_layer_ids is None:
-        aux_layer_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, model.config.num_hidden_layers)
     with record_hidden_states(model, aux_layer_ids) as rec:
         if return_logits:
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

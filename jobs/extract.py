@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     manifest = run_extract(ExtractConfig(**args))
     keys = ["rows", "tokens", "loss_tokens", "bytes_per_token", "min_bytes_per_token", "quarantined_by_reason",
             "seconds", "mlflow_run_id"]
-    print(json.dumps({k: manifest.get(k) for k in keys}, indent=1))
+    data = manifest.to_json()
+    print(json.dumps({k: data[k] for k in keys}, indent=1))
     print(f"[extract] features and manifest in {args['output']}")
     return 0
 

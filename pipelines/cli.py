@@ -1,4 +1,5 @@
-"""Command lines derived from config dataclasses: one flag per field, its default and help from the field."""
+"""Config dataclasses in use: command lines derived from them (one flag per field, its default and help from the
+field), and a flat job config's fields handed on to the component config that owns them."""
 
 from __future__ import annotations
 
@@ -40,3 +41,13 @@ def parse_dataclass(cls, argv=None, description: str | None = None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_arguments(parser, cls)
     return dataclass_from_args(cls, parser.parse_args(argv))
+
+
+def config_from_fields(cls, source, **given):
+    """An instance of the dataclass `cls` from the same-named fields of the dataclass `source`, then `given`.
+
+    A job config keeps flat fields (its CLI flags, JSON overrides and MLflow params) whose defaults are read from
+    the component's own config (`lr: float = TrainConfig.lr`); this hands them back without a field-by-field copy.
+    """
+    shared = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(source)}
+    return cls(**{**{name: getattr(source, name) for name in shared}, **given})

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from eagle_core.checkpoint import save_draft
-from eagle_core.draft import Eagle3Draft
+from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.target import capture_features, cpu_has_native_bf16, load_target
 from eagle_core.ttt import (TrainConfig, load_train_state, make_optimizer, make_scheduler, train_state_dict,
                             train_step, ttt_forward)
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
+from pipelines.cli import config_from_fields
 
 
 @dataclass
@@ -40,10 +41,10 @@ class DistillConfig:
     min_loss_tokens: int = 32
     tokens_per_batch: int = 2048  # padded tokens per optimiser step
     steps: int = 1000
-    lr: float = 1e-3
+    lr: float = TrainConfig.lr
     warmup_steps: int = 30
-    ttt_steps: int = 7
-    draft_vocab_size: int = 8192
+    ttt_steps: int = DraftConfig.ttt_steps
+    draft_vocab_size: int = DraftConfig.draft_vocab_size
     vocab_conversations: int = 4000  # conversations whose loss tokens choose the draft vocabulary
     heldout: int = 48  # the first usable conversations, never trained on
     lm_head_init: str = "target"  # the target's rows, trainable: a head that starts where the target is
@@ -138,7 +139,7 @@ class Distiller:
                                         ttt_steps=cfg.ttt_steps, lm_head_init=cfg.lm_head_init,
                                         freeze_lm_head=False)
         draft.float()
-        tcfg = TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, ttt_steps=cfg.ttt_steps)
+        tcfg = config_from_fields(TrainConfig, cfg, total_steps=cfg.steps)  # lr, warmup_steps, ttt_steps
         opt = make_optimizer(draft, tcfg)
         sched = make_scheduler(opt, tcfg)
         step, seen, run_id = 0, 0, None

@@ -1,24 +1,10 @@
 """Ray Data extraction: corpus -> (regenerate) -> chat template + loss mask -> target forward -> Parquet shards.
 
-Layout of an output folder (any fsspec URL):
-    features/shard-00000-<hash>.parquet   feature rows (schema below), one file per shard, committed by rename
-    regenerated/shard-00000-<hash>.jsonl  regenerated conversations (reused on reruns: no second generation)
-    quarantine/ingest.jsonl               corpus rows quarantined at ingest, with the reason
-    manifest.json                         what the shards hold and how they were made
-
-Feature schema (Parquet, zstd), one row per conversation:
-    id           string
-    input_ids    list<int32>    [S] chat-template tokens
-    loss_mask    list<int8>     [S] 1 on assistant content + end-of-turn tokens
-    aux_hidden   large_binary   [S, 3H] row-major, the aux layers concatenated, in `manifest.dtype`
-    last_hidden  large_binary   [S, H]  after the final norm, in `manifest.dtype`
-Hidden states are raw little-endian bytes of the dtype the target computed in (bf16 on GPU keeps its exact
-bits; Arrow has no bf16 type); `decode_hidden` turns them back into tensors.
+What an output folder holds (shards, regenerated conversations, quarantine, `manifest.json`) and the feature
+schema: `pipelines.feature_files`.
 
 Exactly-once: shard k holds rows [k*R, (k+1)*R) of the ingested corpus in input order and its name carries a
 hash of its ids, so a rerun maps the same rows to the same names and skips every shard already committed.
-Each shard's summary (rows, tokens, loss-token counts, quarantines) lives in its Parquet metadata, so a
-committed shard is complete by itself.
 """
 
 from __future__ import annotations
@@ -28,26 +14,30 @@ import io
 import json
 import os
 import time
-import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import fsspec
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-SCHEMA_VERSION = 1
-SHARD_META_KEY = b"eagle3.shard"
-FEATURE_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("aux_hidden", pa.large_binary()),
-    ("last_hidden", pa.large_binary()),
-])
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
+from pipelines.feature_files import (
+    DTYPE_NAMES,
+    FEATURE_SCHEMA,
+    SHARD_META_KEY,
+    FeatureManifest,
+    ShardEntry,
+    _fs,
+    _join,
+    commit_bytes,
+    committed_shards,
+    exists,
+    feature_table,
+    read_bytes,
+    read_shard_summary,
+    write_manifest,
+)
 
 
 @dataclass
@@ -80,59 +70,8 @@ class ExtractConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Encoding
+# Shards: planning and reuse
 # --------------------------------------------------------------------------------------------------
-
-def encode_hidden(t: torch.Tensor) -> bytes:
-    t = t.contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
-
-
-def decode_hidden(blob: bytes, dtype: str, width: int) -> torch.Tensor:
-    """Raw bytes of one row's hidden states -> [S, width] tensor of `dtype` (the manifest's)."""
-    if dtype == "bfloat16":
-        return torch.from_numpy(np.frombuffer(blob, dtype=np.int16).copy()).view(torch.bfloat16).reshape(-1, width)
-    return torch.from_numpy(np.frombuffer(blob, dtype=np.dtype(dtype)).copy()).reshape(-1, width)
-
-
-def feature_table(rows) -> pa.Table:
-    return pa.table({
-        "id": [r.id for r in rows],
-        "input_ids": [r.input_ids.to(torch.int32).numpy() for r in rows],
-        "loss_mask": [r.loss_mask.to(torch.int8).numpy() for r in rows],
-        "aux_hidden": [encode_hidden(r.aux_hidden) for r in rows],
-        "last_hidden": [encode_hidden(r.last_hidden) for r in rows],
-    }, schema=FEATURE_SCHEMA)
-
-
-# --------------------------------------------------------------------------------------------------
-# Files: atomic commit and shard discovery
-# --------------------------------------------------------------------------------------------------
-
-def _fs(url: str):
-    return fsspec.core.url_to_fs(url)
-
-
-def _join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
-
-
-def commit_bytes(url: str, data: bytes) -> None:
-    """Write then rename, so a reader (or a rerun) never sees half a file."""
-    fs, path = _fs(url)
-    fs.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)
-
-
-def exists(url: str) -> bool:
-    fs, path = _fs(url)
-    return fs.exists(path)
-
 
 def shard_name(index: int, ids: list[str]) -> str:
     digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:10]
@@ -158,31 +97,12 @@ def reuse_shards(config: ExtractConfig, names: list[str]) -> list[str]:
                 continue
             regenerated = _join(source, "regenerated", f"{name}.jsonl")
             if config.regenerate and exists(regenerated):
-                commit_bytes(_join(config.output, "regenerated", f"{name}.jsonl"), _read_bytes(regenerated))
+                commit_bytes(_join(config.output, "regenerated", f"{name}.jsonl"), read_bytes(regenerated))
             commit_bytes(_join(config.output, "features", f"{name}.parquet"),
-                         _read_bytes(_join(source, "features", f"{name}.parquet")))
+                         read_bytes(_join(source, "features", f"{name}.parquet")))
             done.add(name)
             reused.append(name)
     return reused
-
-
-def _read_bytes(url: str) -> bytes:
-    with fsspec.open(url, "rb") as f:
-        return f.read()
-
-
-def read_shard_summary(url: str) -> dict:
-    fs, path = _fs(url)
-    with fs.open(path, "rb") as f:
-        meta = pq.read_metadata(f).metadata or {}
-    return json.loads(meta[SHARD_META_KEY])
-
-
-def committed_shards(output: str) -> set[str]:
-    fs, path = _fs(_join(output, "features"))
-    if not fs.exists(path):
-        return set()
-    return {os.path.basename(p)[: -len(".parquet")] for p in fs.ls(path, detail=False) if p.endswith(".parquet")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,10 +111,10 @@ def committed_shards(output: str) -> set[str]:
 
 class _TargetActor:
     def __init__(self, target: str, dtype: str, aux_layer_ids):
-        from eagle_core.target import default_aux_layer_ids, default_device, load_target
+        from eagle_core.target import default_device, load_target, resolve_aux_layer_ids
 
         self.model, self.tokenizer = load_target(target, device=default_device(), dtype=dtype)
-        self.aux_layer_ids = aux_layer_ids or default_aux_layer_ids(self.model.config.num_hidden_layers)
+        self.aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, self.model.config.num_hidden_layers)
 
 
 class Regenerator(_TargetActor):
@@ -318,11 +238,11 @@ def stream_features(config: ExtractConfig):
     return _stages(ds, config, write=False)
 
 
-def run_extract(config: ExtractConfig) -> dict:
+def run_extract(config: ExtractConfig) -> FeatureManifest:
     """Run (or resume) an extraction; returns the manifest (also written to `<output>/manifest.json`)."""
     import ray
 
-    from eagle_core.target import default_aux_layer_ids, materialize_hf_folder, weights_fingerprint
+    from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids, weights_fingerprint
 
     started = time.perf_counter()
     ingested, rows = _ingest_rows(config)
@@ -344,19 +264,19 @@ def run_extract(config: ExtractConfig) -> dict:
     from transformers import AutoConfig
 
     target_config = AutoConfig.from_pretrained(materialize_hf_folder(config.target))
-    aux_layer_ids = config.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers)
+    aux_layer_ids = resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)
     manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
                               ingested.stats.to_dict(), weights_fingerprint(config.target))
-    manifest["seconds"] = time.perf_counter() - started
-    manifest["reused_shards"] = reused
+    manifest.seconds = time.perf_counter() - started
+    manifest.reused_shards = reused
     if config.mlflow_experiment:
-        manifest["mlflow_run_id"] = _log_to_mlflow(config, manifest)
-    commit_bytes(_join(config.output, "manifest.json"), json.dumps(manifest, indent=1).encode())
+        manifest.mlflow_run_id = _log_to_mlflow(config, manifest)
+    write_manifest(config.output, manifest)
     return manifest
 
 
 def build_manifest(config: ExtractConfig, shard_names: list[str], target_config, aux_layer_ids, ingest_stats: dict,
-                   weights_hash: str) -> dict:
+                   weights_hash: str) -> FeatureManifest:
     summaries = [read_shard_summary(_join(config.output, "features", f"{s}.parquet")) for s in shard_names]
     fs, _ = _fs(config.output)
     sizes = [fs.size(_fs(_join(config.output, "features", f"{s}.parquet"))[1]) for s in shard_names]
@@ -368,41 +288,38 @@ def build_manifest(config: ExtractConfig, shard_names: list[str], target_config,
     dtype = summaries[0]["dtype"] if summaries else "float32"
     hidden = target_config.hidden_size
     element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "target": config.target, "target_weights_hash": weights_hash,
-        "target_hidden_size": hidden, "target_vocab_size": target_config.vocab_size,
-        "target_num_hidden_layers": target_config.num_hidden_layers,
-        "aux_layer_ids": aux_layer_ids, "dtype": dtype, "max_length": config.max_length,
-        "regenerate": config.regenerate, "regeneration": {"max_new_tokens": config.max_new_tokens,
-                                                          "temperature": config.temperature, "seed": config.seed},
-        "corpus": config.corpus, "limit": config.limit,
-        "rows": sum(s["rows"] for s in summaries), "tokens": tokens,
-        "loss_tokens": sum(s["loss_tokens"] for s in summaries),
-        "ingest": ingest_stats, "quarantined_by_reason": dict(quarantined),
-        "bytes": sum(sizes), "bytes_per_token": sum(sizes) / max(tokens, 1),
-        "min_bytes_per_token": 4 * hidden * element,
-        "shards": [{"name": s, "rows": m["rows"], "tokens": m["tokens"]} for s, m in zip(shard_names, summaries)],
-        "token_counts": {str(k): v for k, v in sorted(token_counts.items())},
-        "feature_schema": {f.name: str(f.type) for f in FEATURE_SCHEMA},
-        "config": config.to_dict(),
-    }
+    return FeatureManifest(
+        target=config.target, target_weights_hash=weights_hash,
+        target_hidden_size=hidden, target_vocab_size=target_config.vocab_size,
+        target_num_hidden_layers=target_config.num_hidden_layers,
+        aux_layer_ids=aux_layer_ids, dtype=dtype, max_length=config.max_length,
+        regenerate=config.regenerate, regeneration={"max_new_tokens": config.max_new_tokens,
+                                                    "temperature": config.temperature, "seed": config.seed},
+        corpus=config.corpus, limit=config.limit,
+        rows=sum(s["rows"] for s in summaries), tokens=tokens, loss_tokens=sum(s["loss_tokens"] for s in summaries),
+        ingest=ingest_stats, quarantined_by_reason=dict(quarantined),
+        bytes=sum(sizes), bytes_per_token=sum(sizes) / max(tokens, 1), min_bytes_per_token=4 * hidden * element,
+        shards=[ShardEntry(name=s, rows=m["rows"], tokens=m["tokens"]) for s, m in zip(shard_names, summaries)],
+        token_counts=dict(sorted(token_counts.items())),
+        feature_schema={f.name: str(f.type) for f in FEATURE_SCHEMA},
+        config=config.to_dict(),
+    )
 
 
-def _log_to_mlflow(config: ExtractConfig, manifest: dict) -> str:
+def _log_to_mlflow(config: ExtractConfig, manifest: FeatureManifest) -> str:
     from pipelines import tracking
 
     with tracking.start_run(config.mlflow_experiment, run_name=f"extract-{os.path.basename(config.output.rstrip('/'))}") as run:
         mlflow = tracking.configure()
         mlflow.log_params({k: v for k, v in config.to_dict().items() if v is not None})
-        mlflow.log_params({"target_weights_hash": manifest["target_weights_hash"], "output": config.output})
-        seconds = max(manifest["seconds"], 1e-9)
+        mlflow.log_params({"target_weights_hash": manifest.target_weights_hash, "output": config.output})
+        seconds = max(manifest.seconds, 1e-9)
         mlflow.log_metrics({
-            "rows": manifest["rows"], "tokens": manifest["tokens"], "loss_tokens": manifest["loss_tokens"],
-            "tokens_per_second": manifest["tokens"] / seconds, "bytes_per_token": manifest["bytes_per_token"],
-            "quarantined": sum(manifest["quarantined_by_reason"].values()) + manifest["ingest"]["quarantined"],
+            "rows": manifest.rows, "tokens": manifest.tokens, "loss_tokens": manifest.loss_tokens,
+            "tokens_per_second": manifest.tokens / seconds, "bytes_per_token": manifest.bytes_per_token,
+            "quarantined": sum(manifest.quarantined_by_reason.values()) + manifest.ingest["quarantined"],
         })
-        mlflow.log_dict({k: v for k, v in manifest.items() if k != "token_counts"}, "manifest.json")
+        mlflow.log_dict({k: v for k, v in manifest.to_json().items() if k != "token_counts"}, "manifest.json")
         return run.info.run_id
 
 
@@ -425,15 +342,3 @@ def local_feature_batches(model, tokenizer, n: int, max_length: int, min_loss_to
         if progress and len(batches) % 20 == 0:
             print(f"[{progress}] features of {len(batches)} conversations", flush=True)
     return batches
-
-
-def load_manifest(output: str) -> dict:
-    with fsspec.open(_join(output, "manifest.json"), "rt") as f:
-        return json.load(f)
-
-
-def read_features(output: str):
-    """The committed feature shards as a Ray Dataset (rows of FEATURE_SCHEMA)."""
-    import ray
-
-    return ray.data.read_parquet(_join(output, "features"), file_extensions=["parquet"])

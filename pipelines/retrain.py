@@ -16,6 +16,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
+from eagle_core.tree import TreeConfig
+
 CHAMPION, CANDIDATE = "champion", "candidate"
 
 
@@ -30,9 +32,7 @@ class RetrainConfig:
     eval_prompts: str = "mtbench"  # 'mtbench' (turn 1 of the 80 questions) or a JSONL file of {"prompt"|"messages"}
     eval_count: int = 8  # held-out prompts decoded per evaluation
     eval_max_new_tokens: int = 64
-    eval_top_k: int = 8
-    eval_depth: int = 5
-    eval_total_tokens: int = 24
+    eval_tree: TreeConfig = field(default_factory=TreeConfig)  # the decoding tree of the evaluation
     margin: float = 0.05  # tau the new draft must gain over the champion to replace it
     warm_start: bool = True  # initialise from the current champion when its shapes fit
     extract: dict = field(default_factory=dict)  # ExtractConfig overrides (regenerate, max_length, ...)
@@ -88,15 +88,13 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     loop (the baseline of both speed-ups)."""
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
-    from eagle_core.tree import TreeConfig
 
-    tree = TreeConfig(top_k=config.eval_top_k, depth=config.eval_depth, total_tokens=config.eval_total_tokens)
     tokens, seconds, accept_lengths = {"tree": 0, "auto": 0, "plain": 0}, {"tree": 0.0, "auto": 0.0, "plain": 0.0}, []
     for messages in prompts:
         ids = [prompt_ids(tokenizer, messages)]
         for mode in tokens:
             start = time.perf_counter()
-            out = generate(target, ids, draft=None if mode == "plain" else draft, tree=tree, mode=mode,
+            out = generate(target, ids, draft=None if mode == "plain" else draft, tree=config.eval_tree, mode=mode,
                            max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
             seconds[mode] += time.perf_counter() - start
             tokens[mode] += out.stats[0].new_tokens
@@ -162,7 +160,7 @@ def promote(name: str, version, new_tau: float, champion_tau: float | None, marg
 # The job
 # --------------------------------------------------------------------------------------------------
 
-def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
+def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
     from pipelines.extract import ExtractConfig, run_extract
 
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "limit": rows,
@@ -233,7 +231,7 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, to
             "champion_speedup": champion_eval["speedup"] if champion_eval else None,
             "champion_tree_speedup": champion_eval["tree_speedup"] if champion_eval else None,
             "champion_version": int(champion.version) if champion is not None else None,
-            "reused_shards": len(manifest.get("reused_shards", [])), "shards": len(manifest["shards"]),
+            "reused_shards": len(manifest.reused_shards), "shards": len(manifest.shards),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}
 
 

@@ -15,15 +15,8 @@ import torch
 
 from eagle_core.chat import tokenize_conversation
 from eagle_core.target import capture_features, load_target
-from pipelines.extract import (
-    ExtractConfig,
-    committed_shards,
-    decode_hidden,
-    load_manifest,
-    read_features,
-    run_extract,
-    stream_features,
-)
+from pipelines.extract import ExtractConfig, run_extract, stream_features
+from pipelines.feature_files import committed_shards, decode_hidden, load_manifest, read_features
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,18 +57,18 @@ def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_pat
             r = json.loads(line)
             regenerated[r["id"]] = r
 
-    assert manifest["rows"] == len(rows) > 0
-    assert manifest["ingest"]["quarantined"] == 1 and manifest["ingest"]["kept"] == 7
-    assert len(rows) + len(manifest["quarantined_by_reason"] and sum(manifest["quarantined_by_reason"].values()) or []) <= 7
-    hidden = manifest["target_hidden_size"]
+    assert manifest.rows == len(rows) > 0
+    assert manifest.ingest["quarantined"] == 1 and manifest.ingest["kept"] == 7
+    assert len(rows) + len(manifest.quarantined_by_reason and sum(manifest.quarantined_by_reason.values()) or []) <= 7
+    hidden = manifest.target_hidden_size
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # Ray actors with num_cpus < 2 compute single-threaded
     try:
         for row in rows:
             ids = torch.tensor(row["input_ids"], dtype=torch.long)
-            direct = capture_features(model, ids[None], None, manifest["aux_layer_ids"])
-            aux = decode_hidden(row["aux_hidden"], manifest["dtype"], 3 * hidden)
-            last = decode_hidden(row["last_hidden"], manifest["dtype"], hidden)
+            direct = capture_features(model, ids[None], None, manifest.aux_layer_ids)
+            aux = decode_hidden(row["aux_hidden"], manifest.dtype, 3 * hidden)
+            last = decode_hidden(row["last_hidden"], manifest.dtype, hidden)
             assert torch.equal(aux, direct.aux_hidden[0]) and torch.equal(last, direct.last_hidden[0])
             expected = tokenize_conversation(tokenizer, regenerated[row["id"]]["messages"], max_length=config.max_length)
             assert list(row["input_ids"]) == expected.input_ids
@@ -83,20 +76,21 @@ def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_pat
     finally:
         torch.set_num_threads(threads)
 
+    on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
     for key in ["schema_version", "target", "target_weights_hash", "aux_layer_ids", "target_hidden_size", "dtype",
                 "max_length", "rows", "tokens", "loss_tokens", "bytes_per_token", "min_bytes_per_token",
                 "token_counts", "quarantined_by_reason", "ingest", "shards"]:
-        assert key in manifest, key
-    assert manifest["tokens"] == sum(len(r["input_ids"]) for r in rows)
-    assert manifest["loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
-    assert sum(manifest["token_counts"].values()) == manifest["loss_tokens"]
-    assert load_manifest(config.output)["rows"] == manifest["rows"]
+        assert key in on_disk, key
+    assert manifest.tokens == sum(len(r["input_ids"]) for r in rows)
+    assert manifest.loss_tokens == sum(sum(r["loss_mask"]) for r in rows)
+    assert sum(manifest.token_counts.values()) == manifest.loss_tokens
+    assert load_manifest(config.output) == manifest
     assert (tmp_path / "out" / "quarantine" / "ingest.jsonl").read_text().count("bad_json") == 1
 
     # A rerun finds every shard committed and rewrites nothing.
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "features").glob("*.parquet")}
     again = run_extract(config)
-    assert again["rows"] == manifest["rows"]
+    assert again.rows == manifest.rows
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "features").glob("*.parquet")} == stamps
 
 
@@ -207,10 +201,10 @@ def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         assert "succeeded" in (submitted.stdout + submitted.stderr).lower()  # "Job ... succeeded"
         manifest = load_manifest(config.output)
-        assert manifest["rows"] == len(read_rows(config.output)) > 0
+        assert manifest.rows == len(read_rows(config.output)) > 0
         mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
-        run = mlflow.get_run(manifest["mlflow_run_id"])
-        assert run.data.metrics["rows"] == manifest["rows"] and run.data.params["target"] == config.target
+        run = mlflow.get_run(manifest.mlflow_run_id)
+        assert run.data.metrics["rows"] == manifest.rows and run.data.params["target"] == config.target
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle_core.tree import TreeConfig
 from pipelines.retrain import CANDIDATE, CHAMPION, RetrainConfig, alias_version, run_retrain
 
 
@@ -55,7 +56,7 @@ def setting(ray_cluster, tmp_path_factory, tiny_target_dir):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hello there", "What is 2 plus 3?")) + "\n")
     base = dict(corpus=str(write_corpus(folder / "corpus.jsonl", 12)), work=str(folder / "retrain"),
                 target=str(tiny_target_dir), registered_model="retrain-test", eval_prompts=str(prompts),
-                eval_count=2, eval_max_new_tokens=6, eval_depth=2, eval_top_k=2, eval_total_tokens=3,
+                eval_count=2, eval_max_new_tokens=6, eval_tree=TreeConfig(top_k=2, depth=2, total_tokens=3),
                 mlflow_experiment="retrain-test",
                 extract={"regenerate": False, "rows_per_shard": 2, "cpus_per_worker": 0.5, "max_length": 64},
                 train={"epochs": 1, "tokens_per_batch": 256, "ttt_steps": 2, "draft_vocab_size": 128,

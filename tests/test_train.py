@@ -110,6 +110,23 @@ def test_plan_is_independent_of_world_size():
             assert got == sorted((r["file"], r["row"]) for r in batch)
 
 
+def test_the_plan_and_the_lineage_reach_the_workers_unchanged():
+    """Both travel to the workers (and into summary.json) as JSON."""
+    from pipelines.train import Lineage, TrainPlan
+    from pipelines.train.plan import make_plan
+
+    rows = [{"id": f"c{i}", "file": f"f{i // 4}", "row": i % 4, "length": 10 + 7 * (i % 5)} for i in range(23)]
+    train, held = split_heldout(rows, 0.2)
+    plan, per_epoch, per_rank_eval = make_plan(train, held, job("x", "out", tokens_per_batch=60), world=2)
+    assert (plan.mode, plan.train_rows, plan.eval_rows) == ("files", 18, 5)
+    assert len(plan.steps_per_epoch) == len(per_epoch) == 2 and len(per_rank_eval) == 2  # epochs; ranks
+    assert all(sum(map(len, ranks)) == 18 for ranks in per_epoch)  # every training row, once per epoch
+    assert TrainPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    lineage = Lineage(target="t", features="f", aux_layer_ids=[2, 3, 4], features_mlflow_run_id="r")
+    assert Lineage.from_json(json.loads(json.dumps(lineage.to_json()))) == lineage
+    assert "aux_layer_ids" not in lineage.draft_extra() and lineage.draft_extra()["features_mlflow_run_id"] == "r"
+
+
 def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_path):
     two = run_train(job(features, tmp_path / "two", num_workers=2))
     assert two["total_steps"] == clean["total_steps"] >= 8
@@ -154,14 +171,14 @@ def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peak
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import load_target
     from pipelines import tracking
-    from pipelines.extract import load_manifest
+    from pipelines.feature_files import load_manifest
 
     mlflow = tracking.configure()
     client = mlflow.tracking.MlflowClient()
     run = client.get_run(clean["mlflow_run_id"])
     manifest = load_manifest(features)
     params = run.data.params
-    assert params["features_mlflow_run_id"] == manifest["mlflow_run_id"]
+    assert params["features_mlflow_run_id"] == manifest.mlflow_run_id
     assert len(params["features_manifest_sha256"]) == 64
     assert params["lr"] == "0.003" and params["ttt_steps"] == "3" and params["num_workers"] == "1"
     for key in ["loss", "loss_2", "acc_0", "acc_2", "lr", "tokens_per_s", "accept_length"]:
@@ -180,8 +197,8 @@ def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peak
     folder = mlflow.artifacts.download_artifacts(f"{version.source}")
     model, _ = load_target(str(peaked_target_dir), device="cpu", dtype="float32")
     draft = load_draft(folder, target=model)
-    assert draft.config.draft_vocab_size == 256 and draft.config.extra["features_mlflow_run_id"] == manifest[
-        "mlflow_run_id"]
+    assert draft.config.draft_vocab_size == 256
+    assert draft.config.extra["features_mlflow_run_id"] == manifest.mlflow_run_id
 
 
 def _fsdp_rank(rank: int, world: int, out: str) -> None:
@@ -334,6 +351,7 @@ def test_every_collective_of_the_loop_goes_through_the_device_helper(fake_two_ra
     """Step metrics, held-out evaluation, the streaming stop flag and held-out count: each collective is the
     helper's, on the training device passed in."""
     from pipelines.train import TTTObjective, evaluate
+    from pipelines.train import TrainPlan
     from pipelines.train.batches import StreamedBatches
     from pipelines.train.metrics import global_step_metrics
 
@@ -348,7 +366,7 @@ def test_every_collective_of_the_loop_goes_through_the_device_helper(fake_two_ra
         def iter_rows(self):
             return iter([{"id": f"c{i}", "input_ids": [1] * 8} for i in range(5)])
 
-    plan = {"eval_ids": ["c1"]}
+    plan = TrainPlan(mode="stream", eval_ids=["c1"])
     batches = StreamedBatches(plan, tokens_per_batch=32, world=2, device=device, get_shard=lambda name: Stream())
     steps = list(batches.epoch(0, {"rows_consumed": 0, "step_in_epoch": 0}))
     assert [len(s.rows) for s in steps] == [2, 2] and len(list(batches.held_out())) == 1

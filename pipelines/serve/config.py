@@ -1,7 +1,8 @@
 """The deployment's settings: one plain dataclass, filled from the CLI, a Serve config YAML or a test.
 
 Every field is a plain value so the whole config travels as a dict through `serve run` / `serve deploy`
-(`applications[].args`) and into the replica's constructor.
+(`applications[].args`) and into the replica's constructor. The tree and batching fields are flat for that
+reason; their defaults are `TreeConfig`'s and `EngineConfig`'s, which own them (`tree`, `engine`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from eagle_core.tree import TreeConfig
+from pipelines.cli import config_from_fields
+from pipelines.serve.engine import EngineConfig
 
 
 @dataclass
@@ -19,21 +22,17 @@ class ServeConfig:
     model_name: str = ""  # the id clients send as `model`; default: derived from target/draft
     device: str | None = None  # None = cuda when available, else cpu
     dtype: str = "auto"  # bf16 where native (GPUs, CPUs with avx512_bf16/AMX), else fp32; float32 = bit-exact
-    # ---- tree (EAGLE-2) ------------------------------------------------------------------------------------
-    top_k: int = 8
-    depth: int = 6
-    total_tokens: int = 32
-    # ---- batching and load fallback (see engine.choose_mode) -----------------------------------------------
-    max_batch_size: int = 16  # requests decoded together
-    max_waiting: int = 16  # admitted but not decoding yet; a request beyond that gets 503 at once
-    # Which decoding mode a round uses at batch size B (a wide tree over many rows costs more target
-    # compute than it saves). "auto": the mode with the best measured tokens/s at this batch size
-    # (engine.ModeChooser; re-measured every `explore_every` rounds). "static": full trees while
-    # B <= tree_max_batch, chains of `depth` tokens while B <= chain_max_batch, plain above.
-    mode_policy: str = "auto"
-    explore_every: int = 16
-    tree_max_batch: int = 2
-    chain_max_batch: int = 4
+    # ---- tree (EAGLE-2): TreeConfig -------------------------------------------------------------------------
+    top_k: int = TreeConfig.top_k
+    depth: int = TreeConfig.depth
+    total_tokens: int = TreeConfig.total_tokens
+    # ---- batching and load fallback: EngineConfig (its docstring; engine.choose_mode, eagle_core.policy.ModeChooser) ----
+    max_batch_size: int = EngineConfig.max_batch_size
+    max_waiting: int = EngineConfig.max_waiting
+    mode_policy: str = EngineConfig.mode_policy
+    explore_every: int = EngineConfig.explore_every
+    tree_max_batch: int = EngineConfig.tree_max_batch
+    chain_max_batch: int = EngineConfig.chain_max_batch
     # ---- limits ----------------------------------------------------------------------------------------
     max_context: int = 2048  # prompt + completion tokens, capped by the target's max_position_embeddings
     max_tokens_limit: int = 512  # the largest max_tokens a request may ask for
@@ -44,17 +43,17 @@ class ServeConfig:
     torch_threads: int = 0  # 0 = leave torch's default
 
     def __post_init__(self):
-        self.tree  # validates top_k / depth / total_tokens
-        if self.mode_policy not in ("auto", "static"):
-            raise ValueError(f"mode_policy must be 'auto' or 'static', got {self.mode_policy!r}")
-        if self.max_batch_size < 1 or self.max_waiting < 0:
-            raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
+        self.engine  # validates the tree (top_k / depth / total_tokens) and the batching fields
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
 
     @property
     def tree(self) -> TreeConfig:
-        return TreeConfig(self.top_k, self.depth, self.total_tokens)
+        return config_from_fields(TreeConfig, self)
+
+    @property
+    def engine(self) -> EngineConfig:
+        return config_from_fields(EngineConfig, self, tree=self.tree)
 
     @property
     def served_name(self) -> str:

@@ -68,13 +68,25 @@ class Event:
 
 @dataclass
 class EngineConfig:
-    tree: TreeConfig
-    max_batch_size: int = 16
-    max_waiting: int = 16
+    """The engine's settings and their defaults (`ServeConfig` takes its batching fields' defaults from here)."""
+
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    max_batch_size: int = 16  # requests decoded together
+    max_waiting: int = 16  # admitted but not decoding yet; a request beyond that gets 503 at once
+    # Which decoding mode a round uses at batch size B (a wide tree over many rows costs more target compute than
+    # it saves). "auto": the mode with the best measured tokens/s at this batch size (ModeChooser; re-measured every
+    # `explore_every` rounds). "static": full trees while B <= tree_max_batch, chains of `depth` tokens while
+    # B <= chain_max_batch, plain above.
     tree_max_batch: int = 2
     chain_max_batch: int = 4
-    mode_policy: str = "auto"  # "auto": ModeChooser measures; "static": the two thresholds above
+    mode_policy: str = "auto"
     explore_every: int = 16
+
+    def __post_init__(self):
+        if self.mode_policy not in ("auto", "static"):
+            raise ValueError(f"mode_policy must be 'auto' or 'static', got {self.mode_policy!r}")
+        if self.max_batch_size < 1 or self.max_waiting < 0:
+            raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
 
 
 def choose_mode(batch_rows: int, config: EngineConfig, has_draft: bool) -> str:

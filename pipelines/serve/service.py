@@ -15,7 +15,7 @@ from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
 from pipelines.serve import protocol as P
 from pipelines.serve.config import ServeConfig
-from pipelines.serve.engine import Engine, EngineConfig, Event, GenerationRequest, Overloaded
+from pipelines.serve.engine import Engine, Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
 from pipelines.serve.models import load_models
 
@@ -36,11 +36,7 @@ class Service:
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
-        self.engine = Engine(models.target, models.tokenizer, models.draft,
-                             EngineConfig(config.tree, config.max_batch_size, config.max_waiting,
-                                          config.tree_max_batch, config.chain_max_batch, config.mode_policy,
-                                          config.explore_every),
-                             metrics=self.metrics)
+        self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics)
         self.created = P.now()
         log.info("serving %s (draft: %s) with %s", config.served_name, config.draft, config.tree)
 

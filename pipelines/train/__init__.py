@@ -4,9 +4,10 @@
 
 One concern a module:
     config.py       TrainJobConfig (also the CLI and the MLflow params)
-    plan.py         driver: held-out split, epoch order, global batches, rank shares; the streaming first pass
+    plan.py         driver: `TrainPlan`, held-out split, epoch order, global batches, rank shares; streaming first pass
     shards.py       driver: each rank's planned rows as a Ray Dataset, routed to it by name (`PlannedShards`)
     batches.py      worker: the `Batches` interface (planned files / streamed), row decoding and padding
+    lineage.py      `Lineage`: where a draft comes from (its config.json, the MLflow params, summary.json)
     model.py        worker: target heads, the draft (built, warm-started), the TTT objective under DDP/FSDP
     collectives.py  worker: `all_reduce` on the training device (nccl has no CPU path)
     metrics.py      worker: a step's global metrics, the held-out evaluation
@@ -30,10 +31,11 @@ _EXPORTS = {
     "collectives": ["all_reduce"],
     "config": ["LM_HEAD_INITS", "STRATEGIES", "TrainJobConfig"],
     "driver": ["CANDIDATE_ALIAS", "prepare_data", "run_train"],
+    "lineage": ["Lineage"],
     "metrics": ["evaluate"],
     "model": ["TTTObjective", "build_draft", "load_target_heads", "target_config", "vocab_from_counts", "warm_start",
               "wrap_objective"],
-    "plan": ["epoch_order", "pack_batches", "plan_steps", "scan_features", "split_heldout"],
+    "plan": ["TrainPlan", "epoch_order", "pack_batches", "plan_steps", "scan_features", "split_heldout"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

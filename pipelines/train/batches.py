@@ -16,12 +16,15 @@ but not the very same ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
 from pipelines.train.collectives import all_reduce
 from pipelines.train.shards import EVAL_DATASET, train_dataset_name
+
+if TYPE_CHECKING:
+    from pipelines.train.plan import TrainPlan
 
 
 @dataclass
@@ -58,17 +61,17 @@ class PlannedBatches:
 
     baseline_eval = True
 
-    def __init__(self, plan: dict, get_shard: Callable):
+    def __init__(self, plan: TrainPlan, get_shard: Callable):
         self.plan, self.get_shard = plan, get_shard
 
     def epoch(self, epoch: int, state: dict) -> Iterator[Step]:
-        n_steps = self.plan["steps_per_epoch"][epoch]
+        n_steps = self.plan.steps_per_epoch[epoch]
         shard = self.get_shard(train_dataset_name(epoch))
         for step, rows in planned_micro_batches(shard, n_steps, state["step_in_epoch"]):
             yield Step(rows, {"step_in_epoch": step + 1}, last=step + 1 == n_steps)
 
     def held_out(self) -> Iterator[list[dict]]:
-        return (rows for _, rows in planned_micro_batches(self.get_shard(EVAL_DATASET), self.plan["eval_steps"], 0))
+        return (rows for _, rows in planned_micro_batches(self.get_shard(EVAL_DATASET), self.plan.eval_steps, 0))
 
 
 def streamed_micro_batches(iterator, tokens: int, eval_ids: set, held: list, skip_rows: int):
@@ -93,8 +96,8 @@ class StreamedBatches:
 
     baseline_eval = False  # the held-out rows arrive with the stream
 
-    def __init__(self, plan: dict, tokens_per_batch: int, world: int, device, get_shard: Callable):
-        self.eval_ids, self.get_shard, self.device = set(plan["eval_ids"]), get_shard, device
+    def __init__(self, plan: TrainPlan, tokens_per_batch: int, world: int, device, get_shard: Callable):
+        self.eval_ids, self.get_shard, self.device = set(plan.eval_ids), get_shard, device
         self.tokens = max(tokens_per_batch // world, 1)
         self.held: list[dict] = []
 
@@ -118,7 +121,7 @@ class StreamedBatches:
 
 
 def decode_row(row: dict, meta: dict) -> dict:
-    from pipelines.extract import decode_hidden
+    from pipelines.feature_files import decode_hidden
 
     h = meta["target_hidden_size"]
     return {"id": row["id"], "slot": row.get("slot", 0),

@@ -1,14 +1,19 @@
-"""The job's configuration: one validated dataclass (it is also the CLI, see jobs/train.py, and the MLflow params)."""
+"""The job's configuration: one validated dataclass (it is also the CLI, see jobs/train.py, and the MLflow params).
+
+Its fields are flat (CLI flags, `--train` JSON overrides, MLflow params); those that belong to the draft or to the
+optimiser take their defaults from `DraftConfig` and `TrainConfig`, which own them.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
 
+from eagle_core.draft import LM_HEAD_INITS, DraftConfig
 from eagle_core.ttt import TrainConfig
+from pipelines.cli import config_from_fields
 
 STRATEGIES = ("ddp", "fsdp")
-LM_HEAD_INITS = ("random", "target")
 
 
 @dataclass
@@ -24,17 +29,17 @@ class TrainJobConfig:
     strategy: str = "ddp"  # "fsdp" shards draft, gradients and optimiser state (large drafts)
     epochs: int = 1
     max_steps: int | None = None  # stop after this many optimiser steps (None: all epochs)
-    lr: float = 1e-4
+    lr: float = TrainConfig.lr
     warmup_steps: int | None = None  # None: warmup_ratio of the planned steps
     warmup_ratio: float = 0.03
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
+    min_lr_ratio: float = TrainConfig.min_lr_ratio
+    weight_decay: float = TrainConfig.weight_decay
+    max_grad_norm: float = TrainConfig.max_grad_norm
     tokens_per_batch: int = 8192  # real tokens per optimiser step, over all workers together
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    draft_vocab_size: int = 32000
-    lm_head_init: str = "random"
+    ttt_steps: int = DraftConfig.ttt_steps
+    step_decay: float = TrainConfig.step_decay
+    draft_vocab_size: int = DraftConfig.draft_vocab_size
+    lm_head_init: str = DraftConfig.lm_head_init
     eval_fraction: float = 0.05
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
@@ -72,9 +77,7 @@ class TrainJobConfig:
 
     def train_config(self, total_steps: int) -> TrainConfig:
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total_steps)
-        return TrainConfig(lr=self.lr, weight_decay=self.weight_decay, warmup_steps=warmup, total_steps=total_steps,
-                           min_lr_ratio=self.min_lr_ratio, max_grad_norm=self.max_grad_norm,
-                           step_decay=self.step_decay, ttt_steps=self.ttt_steps)
+        return config_from_fields(TrainConfig, self, warmup_steps=warmup, total_steps=total_steps)
 
 
 def join_url(url: str, *parts: str) -> str:

@@ -11,7 +11,6 @@ acceptance-per-position PNGs, and a new version of `registered_model_name` with 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,68 +23,57 @@ import fsspec
 
 from pipelines.train.config import TrainJobConfig, join_url
 from pipelines.train.faults import fault_step_from_env
+from pipelines.train.lineage import Lineage
 from pipelines.train.model import count_trainable, target_config, vocab_from_counts
-from pipelines.train.plan import make_plan, scan_features, split_heldout, stream_first_pass
+from pipelines.train.plan import TrainPlan, make_plan, scan_features, split_heldout, stream_first_pass
 from pipelines.train.report import write_plots
 from pipelines.train.shards import build_planned_datasets, planned_shards_config
 
 CANDIDATE_ALIAS = "candidate"
 
 
-def manifest_digest(features: str) -> str:
-    with fsspec.open(join_url(features, "manifest.json"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, dict, str]:
+def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, dict, Lineage, str]:
     """Features mode: the plan, the per-rank planned datasets, and the manifest's lineage and sizes."""
-    from pipelines.extract import load_manifest
+    from pipelines.feature_files import load_manifest
 
     manifest = load_manifest(config.features)
     train_rows, eval_rows = split_heldout(scan_features(config.features), config.eval_fraction)
-    plan = make_plan(train_rows, eval_rows, config, world)
-    plan.update(mode="files", train_rows=len(train_rows), eval_rows=len(eval_rows))
-    per_rank = build_planned_datasets(plan, world)
-    del plan["train"], plan["eval"]  # the datasets carry them; the workers need the counts only
-    lineage = {"target": manifest["target"], "features": config.features,
-               "features_manifest_sha256": manifest_digest(config.features),
-               "features_mlflow_run_id": manifest.get("mlflow_run_id"),
-               "target_weights_hash": manifest.get("target_weights_hash"),
-               "aux_layer_ids": manifest["aux_layer_ids"]}
-    meta = {k: manifest[k] for k in ("target_hidden_size", "target_vocab_size", "dtype")}
-    meta["token_counts"] = manifest["token_counts"]
-    return meta, plan, per_rank, lineage, config.target or manifest["target"]
+    plan, train_entries, eval_entries = make_plan(train_rows, eval_rows, config, world)
+    per_rank = build_planned_datasets(train_entries, eval_entries)
+    meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
+            "dtype": manifest.dtype, "token_counts": manifest.token_counts}
+    return meta, plan, per_rank, Lineage.of_features(config.features, manifest), config.target or manifest.target
 
 
-def _stream_data(config: TrainJobConfig) -> tuple[dict, dict, dict, dict, str]:
+def _stream_data(config: TrainJobConfig) -> tuple[dict, TrainPlan, dict, Lineage, str]:
     """Streaming mode: a tokenising first pass for the vocabulary and step count; the feature stream itself."""
-    from eagle_core.target import default_aux_layer_ids, weights_fingerprint
+    from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
     from pipelines.extract import ExtractConfig, stream_features
 
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target,
                                "output": join_url(config.output, "stream"), "mlflow_experiment": None})
     first = stream_first_pass(config, extract)
     steps = max(first["train_tokens"] // config.tokens_per_batch, 1)
-    plan = {"mode": "stream", "steps_per_epoch": [steps] * config.epochs, "eval_ids": first["eval_ids"],
-            "tokens_per_epoch": first["train_tokens"], "train_rows": first["rows"] - len(first["eval_ids"]),
-            "eval_rows": len(first["eval_ids"])}
+    plan = TrainPlan(mode="stream", steps_per_epoch=[steps] * config.epochs, eval_ids=first["eval_ids"],
+                     tokens_per_epoch=first["train_tokens"], train_rows=first["rows"] - len(first["eval_ids"]),
+                     eval_rows=len(first["eval_ids"]))
     tc = target_config(config.target)
-    lineage = {"target": config.target, "features": f"stream:{config.corpus}",
-               "target_weights_hash": weights_fingerprint(config.target),
-               "aux_layer_ids": extract.aux_layer_ids or default_aux_layer_ids(tc.num_hidden_layers)}
+    lineage = Lineage(target=config.target, features=f"stream:{config.corpus}",
+                      target_weights_hash=weights_fingerprint(config.target),
+                      aux_layer_ids=resolve_aux_layer_ids(extract.aux_layer_ids, tc.num_hidden_layers))
     dtype = extract.dtype if extract.dtype != "auto" else ("bfloat16" if config.use_gpu else "float32")
     meta = {"target_hidden_size": tc.hidden_size, "target_vocab_size": tc.vocab_size, "dtype": dtype,
             "token_counts": first["token_counts"]}
     return meta, plan, {"train": stream_features(extract)}, lineage, config.target
 
 
-def prepare_data(config: TrainJobConfig, world: int) -> tuple[dict, dict, dict, dict]:
+def prepare_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, dict, Lineage]:
     """(meta, plan, datasets, lineage) for either mode (planned datasets as per-rank lists).
 
-    plan["total_steps"] (the planned steps, capped by max_steps) drives the LR schedule."""
+    plan.total_steps (the planned steps, capped by max_steps) drives the LR schedule."""
     meta, plan, per_rank, lineage, target = _stream_data(config) if config.streaming else _files_data(config, world)
-    planned = sum(plan["steps_per_epoch"])
-    plan["total_steps"] = min(planned, config.max_steps) if config.max_steps else planned
+    planned = sum(plan.steps_per_epoch)
+    plan.total_steps = min(planned, config.max_steps) if config.max_steps else planned
     meta["target"] = target
     return meta, plan, per_rank, lineage
 
@@ -115,23 +103,23 @@ def storage_path(config: TrainJobConfig) -> str:
     return join_url(out, "ray")
 
 
-def _mlflow_params(config: TrainJobConfig, plan: dict, lineage: dict, world: int, n_trainable: int) -> dict:
+def _mlflow_params(config: TrainJobConfig, plan: TrainPlan, lineage: Lineage, world: int, n_trainable: int) -> dict:
     params = {k: v for k, v in config.to_dict().items() if v is not None and k != "extract"}
     params.update({f"extract.{k}": v for k, v in config.extract.items() if v is not None})
-    params.update({k: v for k, v in lineage.items() if v is not None})
-    params.update(world_size=world, total_steps=plan["total_steps"], steps_per_epoch=plan["steps_per_epoch"][0],
-                  train_rows=plan["train_rows"], eval_rows=plan["eval_rows"], draft_trainable_params=n_trainable)
+    params.update({k: v for k, v in lineage.to_json().items() if v is not None})
+    params.update(world_size=world, total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch[0],
+                  train_rows=plan.train_rows, eval_rows=plan.eval_rows, draft_trainable_params=n_trainable)
     return {k: str(v)[:6000] for k, v in params.items()}
 
 
-def _start_mlflow_run(config: TrainJobConfig, plan: dict, lineage: dict, world: int, n_trainable: int) -> str:
+def _start_mlflow_run(config: TrainJobConfig, plan: TrainPlan, lineage: Lineage, world: int, n_trainable: int) -> str:
     from pipelines import tracking
 
     with tracking.start_run(config.mlflow_experiment, run_name=config.name) as run:
         mlflow = tracking.configure()
         mlflow.log_params(_mlflow_params(config, plan, lineage, world, n_trainable))
-        mlflow.set_tags({"features_manifest_sha256": lineage.get("features_manifest_sha256", ""),
-                         "features_mlflow_run_id": lineage.get("features_mlflow_run_id") or "",
+        mlflow.set_tags({"features_manifest_sha256": lineage.features_manifest_sha256 or "",
+                         "features_mlflow_run_id": lineage.features_mlflow_run_id or "",
                          "stage": "train"})
         return run.info.run_id
 
@@ -175,17 +163,16 @@ def run_train(config: TrainJobConfig) -> dict:
     if config.mlflow_experiment and run_id is None:
         run_id = _start_mlflow_run(config, plan, lineage, world, count_trainable(config, tconfig))
     _write_run_state(config, {"name": config.name, "mlflow_run_id": run_id, "num_workers": world})
-    lineage["train_mlflow_run_id"] = run_id
-    loop_config = {"job": config.to_dict(), "meta": meta, "plan": plan, "d2t": d2t.tolist(),
-                   "target": meta["target"], "lineage": lineage, "mlflow_run_id": run_id,
+    lineage.train_mlflow_run_id = run_id
+    loop_config = {"job": config.to_dict(), "meta": meta, "plan": plan.to_json(), "d2t": d2t.tolist(),
+                   "target": meta["target"], "lineage": lineage.to_json(), "mlflow_run_id": run_id,
                    "tracking_uri": tracking.tracking_uri() if run_id else None,
                    "storage_dir": join_url(storage_path(config), config.name),
                    "fault_at_step": fault_step_from_env()}  # tests only (faults.py)
     result = _trainer(config, loop_config, data).fit()
     summary = finish_run(config, result, run_id, meta["target"])
-    summary.update(seconds=time.perf_counter() - started, total_steps=plan["total_steps"],
-                   train_rows=plan["train_rows"], eval_rows=plan["eval_rows"], mlflow_run_id=run_id,
-                   lineage=lineage, world_size=world)
+    summary.update(seconds=time.perf_counter() - started, total_steps=plan.total_steps, train_rows=plan.train_rows,
+                   eval_rows=plan.eval_rows, mlflow_run_id=run_id, lineage=lineage.to_json(), world_size=world)
     with fsspec.open(join_url(config.output, "summary.json"), "wt") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary

@@ -20,8 +20,10 @@ from pipelines.train.checkpoint import full_state, is_sharded, restore_state, re
 from pipelines.train.collectives import all_reduce, world_info
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.faults import maybe_fault
+from pipelines.train.lineage import Lineage
 from pipelines.train.metrics import evaluate, global_step_metrics
 from pipelines.train.model import TTTObjective, build_draft, load_target_heads, target_config, wrap_objective
+from pipelines.train.plan import TrainPlan
 from pipelines.train.report import RankZeroLogger, log_held_out, log_step
 
 
@@ -37,7 +39,7 @@ class Run:
     config: TrainJobConfig
     tcfg: TrainConfig
     meta: dict
-    plan: dict
+    plan: TrainPlan
     rank: int
     world: int
     device: torch.device
@@ -87,14 +89,16 @@ def setup(loop_config: dict) -> Run:
     import ray.train
     import ray.train.torch
 
-    config, meta, plan = TrainJobConfig(**loop_config["job"]), loop_config["meta"], loop_config["plan"]
+    config, meta = TrainJobConfig(**loop_config["job"]), loop_config["meta"]
+    plan = TrainPlan.from_json(loop_config["plan"])
     rank, world = world_info()
     device = ray.train.torch.get_device()
     heads = load_target_heads(loop_config["target"], device)
     d2t = torch.tensor(loop_config["d2t"])
     t2d = torch.zeros(meta["target_vocab_size"], dtype=torch.bool)
     t2d[torch.arange(len(d2t)) + d2t] = True
-    draft = build_draft(config, target_config(loop_config["target"]), heads, d2t, t2d, loop_config["lineage"])
+    draft = build_draft(config, target_config(loop_config["target"]), heads, d2t, t2d,
+                        Lineage.from_json(loop_config["lineage"]))
     state = initial_state()
     latest = ray.train.get_checkpoint()
     restore_dir = Path(latest.to_directory()) if latest is not None else None
@@ -102,12 +106,12 @@ def setup(loop_config: dict) -> Run:
         restore_state(draft, restore_dir, state)
     sharded = is_sharded(config.strategy, world)
     objective = wrap_objective(TTTObjective(draft, autocast=device.type == "cuda"), config.strategy, world, device)
-    tcfg = config.train_config(plan["total_steps"])
+    tcfg = config.train_config(plan.total_steps)
     optimizer = make_optimizer(draft, tcfg)  # after wrapping: FSDP swaps the parameters for sharded ones
     scheduler = make_scheduler(optimizer, tcfg)
     if restore_dir is not None:
         restore_trainer(objective, optimizer, scheduler, restore_dir, sharded)
-    if plan["mode"] == "files":
+    if plan.mode == "files":
         batches = PlannedBatches(plan, ray.train.get_dataset_shard)
     else:
         batches = StreamedBatches(plan, config.tokens_per_batch, world, device, ray.train.get_dataset_shard)
@@ -139,7 +143,7 @@ def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
     metrics["epoch"] = run.state["epoch"]
     run.mlflow.log(metrics, step)
     if run.rank == 0 and (step % run.config.log_every == 0 or step == 1):
-        log_step(step, run.plan["total_steps"], metrics)
+        log_step(step, run.plan.total_steps, metrics)
     if checkpoint_now and step % run.config.checkpoint_every == 0:
         save_and_report(run, {"step": step, "loss": metrics["loss"]})
     maybe_fault(run.fault_at_step, step, run.rank, run.storage_dir)

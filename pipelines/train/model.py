@@ -12,6 +12,7 @@ from torch import nn
 
 from eagle_core.ttt import ttt_forward
 from pipelines.train.config import TrainJobConfig
+from pipelines.train.lineage import Lineage
 
 
 def load_target_heads(target: str, device, dtype=torch.float32) -> dict:
@@ -72,11 +73,11 @@ def count_trainable(config: TrainJobConfig, tconfig) -> int:
         return Eagle3Draft(draft_config(config, tconfig)).num_trainable()
 
 
-def build_draft(config: TrainJobConfig, tconfig, heads: dict, d2t, t2d, lineage: dict):
+def build_draft(config: TrainJobConfig, tconfig, heads: dict, d2t, t2d, lineage: Lineage):
     from eagle_core.draft import Eagle3Draft
 
-    cfg = draft_config(config, tconfig, lineage.get("aux_layer_ids"))
-    cfg.extra = {k: v for k, v in lineage.items() if k != "aux_layer_ids"}
+    cfg = draft_config(config, tconfig, lineage.aux_layer_ids)
+    cfg.extra = lineage.draft_extra()
     torch.manual_seed(config.seed)  # every rank builds the same initial draft
     draft = Eagle3Draft(cfg, heads["embed"] if cfg.embeds_from_target else None).to(heads["embed"].device)
     draft.set_vocab(d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))

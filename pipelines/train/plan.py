@@ -9,6 +9,7 @@ workers, from the `id` and `input_ids` columns of the Parquet shards:
   - each global batch is split over the W ranks, longest rows first onto the least loaded rank.
 Streaming mode: `stream_first_pass` only tokenises the corpus (no target forward) for the draft vocabulary,
 the step count and the held-out ids.
+What the workers need of either plan is a `TrainPlan`; the per-rank rows travel as Ray Datasets (`shards.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,40 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from dataclasses import asdict, dataclass, field
 
 import fsspec
 import pyarrow.parquet as pq
 
 from pipelines.train.config import TrainJobConfig, join_url
+
+
+MODES = ("files", "stream")
+
+
+@dataclass
+class TrainPlan:
+    """What the driver planned, as every worker (and the summary, and MLflow) reads it."""
+
+    mode: str  # "files": planned from extracted features; "stream": features streamed from a corpus
+    steps_per_epoch: list[int] = field(default_factory=list)
+    total_steps: int = 0  # the planned steps, capped by max_steps: the LR schedule's length
+    train_rows: int = 0
+    eval_rows: int = 0
+    tokens_per_epoch: int = 0
+    eval_steps: int = 0  # files mode: held-out forwards per rank
+    eval_ids: list[str] = field(default_factory=list)  # stream mode: the held-out conversations, set aside as they come
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"plan mode must be one of {MODES}, got {self.mode!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TrainPlan":
+        return cls(**data)
 
 
 def id_hash(conversation_id: str) -> str:
@@ -104,18 +134,15 @@ def plan_steps(batches: list[list[dict]], world: int) -> list[list[dict]]:
     return per_rank
 
 
-def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobConfig, world: int) -> dict:
-    """Steps per epoch and, per rank, the plan rows of every epoch and of the held-out split."""
+def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobConfig, world: int):
+    """(the TrainPlan, per rank the plan rows of every epoch [epoch][rank], per rank those of the held-out split)."""
     epochs = [pack_batches(epoch_order(train_rows, config.seed, e), config.tokens_per_batch)
               for e in range(config.epochs)]
     eval_batches = pack_batches(sorted(eval_rows, key=lambda r: id_hash(r["id"])), config.tokens_per_batch)
-    return {
-        "steps_per_epoch": [len(b) for b in epochs],
-        "eval_steps": len(eval_batches),
-        "train": [plan_steps(b, world) for b in epochs],  # [epoch][rank] -> entries
-        "eval": plan_steps(eval_batches, world),  # [rank] -> entries
-        "tokens_per_epoch": sum(r["length"] for r in train_rows),
-    }
+    plan = TrainPlan(mode="files", steps_per_epoch=[len(b) for b in epochs], eval_steps=len(eval_batches),
+                     tokens_per_epoch=sum(r["length"] for r in train_rows), train_rows=len(train_rows),
+                     eval_rows=len(eval_rows))
+    return plan, [plan_steps(b, world) for b in epochs], plan_steps(eval_batches, world)
 
 
 def stream_first_pass(config: TrainJobConfig, extract_config) -> dict:

@@ -52,11 +52,11 @@ def planned_dataset(entries: list[dict]):
     return ds.map_batches(read_planned_rows, batch_size=1, batch_format="pyarrow", num_cpus=0.25)
 
 
-def build_planned_datasets(plan: dict, world: int) -> dict:
-    """{"train.<epoch>": [per-rank Dataset], "eval": [...]}: lazy, nothing is read until a rank iterates its own."""
-    datasets = {train_dataset_name(e): [planned_dataset(entries) for entries in ranks]
-                for e, ranks in enumerate(plan["train"])}
-    datasets[EVAL_DATASET] = [planned_dataset(entries) for entries in plan["eval"]]
+def build_planned_datasets(train: list[list[list[dict]]], held_out: list[list[dict]]) -> dict:
+    """{"train.<epoch>": [per-rank Dataset], "eval": [...]} from the plan rows of each epoch and rank ([epoch][rank])
+    and of the held-out split ([rank]): lazy, nothing is read until a rank iterates its own."""
+    datasets = {train_dataset_name(e): [planned_dataset(entries) for entries in ranks] for e, ranks in enumerate(train)}
+    datasets[EVAL_DATASET] = [planned_dataset(entries) for entries in held_out]
     return datasets
 
 
