@@ -50,7 +50,7 @@ def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_pat
     config = base_config(tmp_path, tiny_target_dir, tokens_per_batch=1)
     manifest = run_extract(config)
     rows = read_rows(config.output)
-    model, tokenizer = load_target(str(tiny_target_dir), device="cpu", dtype=manifest["dtype"])
+    model, tokenizer = load_target(str(tiny_target_dir), device="cpu", dtype=manifest.dtype)
     regenerated = {}
     for f in sorted((tmp_path / "out" / "regenerated").glob("*.jsonl")):
         for line in f.read_text().splitlines():
