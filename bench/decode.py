@@ -32,6 +32,7 @@ from eagle_core.checkpoint import load_draft
 from eagle_core.decoding import plain_step, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
+from eagle_core.policy import ModeChooser
 from eagle_core.target import cpu_has_native_bf16, load_target, resolve_dtype
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
@@ -68,6 +69,7 @@ class Runner:
     def __init__(self, model, draft, eos, chain: TreeConfig, tree: TreeConfig, lookup_tokens: int):
         self.model, self.draft, self.eos = model, draft, eos
         self.chain, self.tree, self.lookup_tokens = chain, tree, lookup_tokens
+        self.chooser = ModeChooser()  # the auto policy keeps what it measured across prompts, as a server does
 
     def run(self, method: str, ids: list[int], max_new_tokens: int) -> dict:
         t0 = time.perf_counter()
@@ -83,8 +85,8 @@ class Runner:
         draft = None if method == "plain" else self.draft
         tree, mode = {"plain": (None, "plain"), "chain": (self.chain, "tree"), "tree": (self.tree, "tree"),
                       "auto": (self.tree, "auto")}[method]
-        res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, max_new_tokens=max_new_tokens,
-                       eos_token_id=self.eos)
+        res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, chooser=self.chooser,
+                       max_new_tokens=max_new_tokens, eos_token_id=self.eos)
         seconds = time.perf_counter() - t0
         s = res.stats[0]
         return dict(tokens=res.tokens[0], seconds=seconds, rounds=s.rounds, accepted=sum(s.accept_lengths),

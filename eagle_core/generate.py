@@ -121,13 +121,14 @@ class Request:
 def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int = 0, eos_token_id=None, stop: tuple[str, ...] = (), tokenizer=None,
-             mode: str = "auto", on_round=None) -> GenerationResult:
+             mode: str = "auto", chooser: ModeChooser | None = None, on_round=None) -> GenerationResult:
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
     TreeConfig()) in `mode`: "tree", "chain" (a chain of the tree's depth), "plain", or "auto" (the
     default): each round the mode with the best measured tokens/s at the current batch size
-    (`eagle_core.policy.ModeChooser`, plain included), so a draft that does not pay falls back to plain.
+    (`eagle_core.policy.ModeChooser`, plain included), so a draft that does not pay falls back to plain;
+    pass the same `chooser` to successive calls so that what one call measured serves the next.
     temperature 0 is greedy; otherwise request i samples with seed `seed + i`, and its tokens are a
     function of (prompt, sampling settings, seed) alone: the same with or without a draft, in any mode,
     with any tree, and whatever it is batched with. eos_token_id: an id or a list of ids that end a
@@ -145,7 +146,7 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
         raise ValueError(f"mode must be 'auto' or one of {MODES}, got {mode!r}")
     if draft is None:
         mode = "plain"
-    chooser = ModeChooser() if mode == "auto" else None
+    chooser = (chooser or ModeChooser()) if mode == "auto" else None
 
     t_start = clock(device)
     state, step = DecodingState.prefill(target, draft, input_ids, SamplingConfig(temperature, top_p, top_k),

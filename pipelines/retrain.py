@@ -88,13 +88,16 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     loop (the baseline of both speed-ups)."""
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
+    from eagle_core.policy import ModeChooser
 
     tokens, seconds, accept_lengths = {"tree": 0, "auto": 0, "plain": 0}, {"tree": 0.0, "auto": 0.0, "plain": 0.0}, []
+    chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
     for messages in prompts:
         ids = [prompt_ids(tokenizer, messages)]
         for mode in tokens:
             start = time.perf_counter()
             out = generate(target, ids, draft=None if mode == "plain" else draft, tree=config.eval_tree, mode=mode,
+                           chooser=chooser,
                            max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
             seconds[mode] += time.perf_counter() - start
             tokens[mode] += out.stats[0].new_tokens

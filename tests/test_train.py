@@ -397,3 +397,15 @@ def test_a_read_task_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_streaming_decodes_features_in_the_actors_dtype(ray_cluster, work, tmp_path, peaked_target_dir):
+    """Streaming (features=None, a corpus): extraction actors feed the trainer directly. With dtype "auto"
+    the driver fixes one dtype for the actors and the trainer (bf16 where native, e.g. on avx512_bf16 CPUs):
+    a trainer decoding the bytes in another dtype fails on the first batch."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", n=8)
+    config = job(None, tmp_path / "out", corpus=str(corpus), target=str(peaked_target_dir), epochs=1,
+                 extract={"regenerate": False, "rows_per_shard": 4, "cpus_per_worker": 0.5, "max_length": 64})
+    summary = run_train(config)
+    weights = load_file(str(Path(summary["draft"]) / "model.safetensors"))
+    assert summary["total_steps"] >= 1 and all(torch.isfinite(w).all() for w in weights.values())

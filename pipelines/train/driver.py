@@ -47,10 +47,14 @@ def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, di
 
 def _stream_data(config: TrainJobConfig) -> tuple[dict, TrainPlan, dict, Lineage, str]:
     """Streaming mode: a tokenising first pass for the vocabulary and step count; the feature stream itself."""
-    from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
+    from eagle_core.target import resolve_aux_layer_ids, resolve_dtype, weights_fingerprint
     from pipelines.extract import ExtractConfig, stream_features
 
-    extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target,
+    # The actors' dtype is fixed here, once: the trainer must decode the streamed bytes in that dtype.
+    dtype = str(config.extract.get("dtype", "auto"))
+    if dtype == "auto":
+        dtype = str(resolve_dtype("auto", "cuda" if config.use_gpu else "cpu")).removeprefix("torch.")
+    extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "dtype": dtype,
                                "output": join_url(config.output, "stream"), "mlflow_experiment": None})
     first = stream_first_pass(config, extract)
     steps = max(first["train_tokens"] // config.tokens_per_batch, 1)
@@ -61,7 +65,6 @@ def _stream_data(config: TrainJobConfig) -> tuple[dict, TrainPlan, dict, Lineage
     lineage = Lineage(target=config.target, features=f"stream:{config.corpus}",
                       target_weights_hash=weights_fingerprint(config.target),
                       aux_layer_ids=resolve_aux_layer_ids(extract.aux_layer_ids, tc.num_hidden_layers))
-    dtype = extract.dtype if extract.dtype != "auto" else ("bfloat16" if config.use_gpu else "float32")
     meta = {"target_hidden_size": tc.hidden_size, "target_vocab_size": tc.vocab_size, "dtype": dtype,
             "token_counts": first["token_counts"]}
     return meta, plan, {"train": stream_features(extract)}, lineage, config.target
