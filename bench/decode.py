@@ -291,7 +291,7 @@ def measure_costs(model, draft, top_k: int, context_tokens: int = 300, repeats: 
 
     def bare(width):
         model(ids[:, context_tokens: context_tokens + width], past_key_values=cache, use_cache=True, logits_to_keep=0)
-        cache.crop(context_tokens)
+        cache.crop(-width)  # back to the context (transformers 5 crops by a negative count)
 
     aux = list(draft.config.aux_layer_ids)
     kv = TargetKV(1, "cpu")

@@ -18,14 +18,16 @@ class ModeChooser:
     verification costs over a B-token step (the hardware): tree wins iff tau_tree / t_tree(B) >
     1 / t_plain(B). Both sides are measured here, per batch-size bucket (powers of two), as committed
     tokens over seconds, both exponentially decayed sums. Every mode is tried `warmup_rounds` times
-    first; afterwards the best one runs, and one round in `explore_every` re-measures another mode,
-    so a change of load or workload is noticed. Switching costs nothing: every mode is lossless and
-    keeps the caches in the same state.
+    first; afterwards the best one runs, and each other mode is re-measured now and then so that a change
+    of load or workload is noticed: `explore_every` rounds after it last ran, an interval that doubles
+    (up to `max_explore_every`) each time it is still not the best, so a mode that clearly loses costs
+    ever less. Switching costs nothing: every mode is lossless and keeps the caches in the same state.
     """
 
-    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.25, warmup_rounds: int = 2):
+    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.25, warmup_rounds: int = 2,
+                 max_explore_every: int = 256):
         self.modes, self.explore_every, self.alpha = tuple(modes), explore_every, alpha
-        self.warmup_rounds = warmup_rounds
+        self.warmup_rounds, self.max_explore_every = warmup_rounds, max(max_explore_every, explore_every)
         # per (bucket, mode): decayed sums of committed tokens and seconds, and the number of rounds seen.
         # A ratio of sums, not a mean of per-round rates: one unlucky round (nothing accepted) must not
         # condemn a mode that pays on average.
@@ -33,6 +35,8 @@ class ModeChooser:
         self.seconds: dict[tuple[int, str], float] = {}
         self.samples: dict[tuple[int, str], int] = {}
         self.rounds: dict[int, int] = {}
+        self.last: dict[tuple[int, str], int] = {}  # the bucket's round count when the mode last ran
+        self.interval: dict[tuple[int, str], int] = {}  # rounds between re-measurements of a losing mode
 
     @staticmethod
     def bucket(batch_rows: int) -> int:
@@ -49,11 +53,16 @@ class ModeChooser:
         fewest = min(self.modes, key=lambda m: self.samples.get((b, m), 0))  # ties: the order of `modes`
         if self.samples.get((b, fewest), 0) < self.warmup_rounds:
             return fewest
-        best = max(self.modes, key=lambda m: self.rate(batch_rows, m))
-        if self.explore_every and n % self.explore_every == self.explore_every - 1:
-            others = [m for m in self.modes if m != best]
-            return others[(n // self.explore_every) % len(others)] if others else best
-        return best
+        best = self.best(batch_rows)
+        if not self.explore_every:
+            return best
+        overdue = {m: n - self.last.get((b, m), 0) - self.interval.get((b, m), self.explore_every)
+                   for m in self.modes if m != best}
+        due = max(overdue, key=overdue.get, default=None)
+        return due if due is not None and overdue[due] >= 0 else best
+
+    def best(self, batch_rows: int) -> str:
+        return max(self.modes, key=lambda m: self.rate(batch_rows, m) or 0.0)
 
     def record(self, batch_rows: int, mode: str, tokens: int, seconds: float) -> None:
         b = self.bucket(batch_rows)
@@ -63,3 +72,8 @@ class ModeChooser:
         self.tokens[key] = keep * self.tokens.get(key, 0.0) + tokens
         self.seconds[key] = keep * self.seconds.get(key, 0.0) + seconds
         self.samples[key] = self.samples.get(key, 0) + 1
+        self.last[key] = self.rounds[b]
+        if self.samples[key] > self.warmup_rounds:  # a re-measurement: back off while it keeps losing
+            losing = self.best(batch_rows) != mode
+            grown = min(2 * self.interval.get(key, self.explore_every), self.max_explore_every)
+            self.interval[key] = grown if losing else self.explore_every

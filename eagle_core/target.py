@@ -124,6 +124,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every process (and user) on a node
         os.rename(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -130,7 +130,7 @@ def result_line(result: dict) -> str:
     kind = "faster than" if speedup >= 1.0 else "slower than"
     return (f"[demo] champion: tau {pick('tau'):.2f} tokens per target forward; with the auto policy (trees "
             f"where they pay, plain otherwise) decoding is {speedup:.2f}x plain greedy on this machine ({kind} "
-            f"plain; trees on every round: {tree_speedup:.2f}x), same output tokens")
+            f"plain; {pick('tuned_tree')}, auto-tuned here, on every round: {tree_speedup:.2f}x), same output tokens")
 
 
 def run(args, work: str) -> None:

@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipelines.cli import comma_separated
+from pipelines.extract import ExtractConfig, run_extract
 
-from pipelines.extract import ExtractConfig, run_extract  # noqa: E402
+
+parse_layer_ids = comma_separated(int, "integers",
+                                  lambda ids: None if len(ids) == 3 else "EAGLE-3 uses exactly three aux layers")
 
 
-def parse_layer_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if len(ids) != 3:
-        raise argparse.ArgumentTypeError("EAGLE-3 uses exactly three aux layers")
-    return ids
+def add_extraction_options(p, d: ExtractConfig) -> None:
+    """What to read and how the target regenerates and computes: shared with jobs/train.py's streaming mode."""
+    p.add_argument("--limit", type=int, default=d.limit, help="read at most this many corpus rows")
+    p.add_argument("--max-length", type=int, default=d.max_length, help="truncate conversations to this many tokens")
+    p.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=d.regenerate,
+                   help="rewrite assistant turns with the target before extracting")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="regeneration: tokens per reply")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="regeneration temperature (0 = greedy)")
+    p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=d.aux_layer_ids,
+                   help="three output_hidden_states indices, e.g. 2,15,27 (default: [2, N//2, N-3])")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target compute dtype (auto: bf16 where native, else fp32); features are stored in it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,17 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'sharegpt' = the embedded ShareGPT file")
     p.add_argument("--output", default=d.output, help="output URL for shards, regenerated conversations, manifest")
     p.add_argument("--target", default=d.target, help="target model: HF folder, .gguf file or 'smollm2-135m'")
-    p.add_argument("--limit", type=int, default=d.limit, help="read at most this many corpus rows")
-    p.add_argument("--max-length", type=int, default=d.max_length, help="truncate conversations to this many tokens")
-    p.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=d.regenerate,
-                   help="rewrite assistant turns with the target before extracting")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="regeneration: tokens per reply")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="regeneration temperature (0 = greedy)")
+    add_extraction_options(p, d)
     p.add_argument("--seed", type=int, default=d.seed, help="regeneration seed")
-    p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=d.aux_layer_ids,
-                   help="three output_hidden_states indices, e.g. 2,15,27 (default: [2, N//2, N-3])")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="target compute dtype (auto: bf16 on GPU, fp32 on CPU); features are stored in it")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="actors per stage (one target each)")
     p.add_argument("--gpus-per-worker", type=float, default=d.gpus_per_worker,
                    help="GPUs per actor (default: 1 when the cluster has GPUs, else 0)")

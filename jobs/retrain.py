@@ -15,19 +15,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pipelines.cli import comma_separated
+from pipelines.retrain import RetrainConfig, run_retrain
 
-from pipelines.retrain import RetrainConfig, run_retrain  # noqa: E402
 
-
-def parse_scales(text: str) -> list[float]:
-    try:
-        scales = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
-    if not scales or any(s <= 0 for s in scales):
-        raise argparse.ArgumentTypeError("scales must be positive (fractions <= 1 or row counts)")
-    return scales
+parse_scales = comma_separated(float, "numbers", lambda scales: None if scales and all(x > 0 for x in scales)
+                               else "scales must be positive (fractions <= 1 or row counts)")
 
 
 def parse_overrides(text: str) -> dict:

@@ -11,12 +11,7 @@ Set EAGLE3_SERVE_API_KEY to require `Authorization: Bearer <key>`.
 
 import argparse
 import signal
-import sys
 import threading
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def parse_sets(items: list[str]) -> dict:

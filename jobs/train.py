@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train  # noqa: E402
+from jobs.extract import add_extraction_options
+from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train
 
 # Streaming mode: the extraction options (jobs/extract.py) that apply, with their ExtractConfig names.
 STREAM_OPTIONS = {
@@ -90,16 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLflow registered model for the draft ('' = do not register)")
 
     s = p.add_argument_group("streaming (with --corpus: the extraction options of jobs/extract.py)")
-    s.add_argument("--limit", type=int, default=e.limit, help="read at most this many corpus rows")
-    s.add_argument("--max-length", type=int, default=e.max_length, help="truncate conversations to this many tokens")
-    s.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=e.regenerate,
-                   help="rewrite assistant turns with the target before extracting")
-    s.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens, help="regeneration: tokens per reply")
-    s.add_argument("--temperature", type=float, default=e.temperature, help="regeneration temperature")
-    s.add_argument("--aux-layer-ids", type=_layer_ids, default=e.aux_layer_ids, help="three output_hidden_states "
-                   "indices (default: [2, N//2, N-3])")
-    s.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="target compute dtype")
+    add_extraction_options(s, e)
     s.add_argument("--extract-workers", type=int, default=e.num_workers, help="target actors per stage")
     s.add_argument("--gpus-per-extract-worker", type=float, default=e.gpus_per_worker, help="GPUs per target actor")
     s.add_argument("--cpus-per-extract-worker", type=float, default=e.cpus_per_worker, help="CPUs per target actor")
@@ -109,12 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--regen-batch-size", type=int, default=e.regen_batch_size, help="conversations per generate call")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     return p
-
-
-def _layer_ids(text: str) -> list[int]:
-    from jobs.extract import parse_layer_ids  # one parser for both jobs
-
-    return parse_layer_ids(text)
 
 
 def config_from_args(args: dict) -> TrainJobConfig:

@@ -51,3 +51,18 @@ def config_from_fields(cls, source, **given):
     """
     shared = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(source)}
     return cls(**{**{name: getattr(source, name) for name in shared}, **given})
+
+
+def comma_separated(kind, what: str, check=None):
+    """An argparse type: comma-separated values of `kind` (e.g. "2,15,27"); `check(values)` returns an error
+    message or None."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from err
+        problem = check(values) if check else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return values
+    return parse

@@ -83,31 +83,40 @@ def load_eval_prompts(source: str, count: int) -> list[list[dict]]:
 
 
 def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: RetrainConfig) -> dict:
-    """Greedy decoding of each prompt (batch 1) three ways, interleaved: trees (tau: the draft's quality,
-    which promotion compares), the auto policy (what a user gets: trees only where they pay) and the plain
-    loop (the baseline of both speed-ups)."""
+    """tau, and the speed-ups a user gets on this machine.
+
+    tau (the draft's quality, which promotion compares) comes from greedy decoding of all prompts with
+    `config.eval_tree`; the same run gives the tau of every smaller tree, so `eagle_core.autotune` picks the
+    tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
+    interleaved) with that tree every round, with the auto policy (trees only where they pay: what a user
+    gets) and plainly (the baseline of both speed-ups)."""
+    from eagle_core.autotune import DEFAULT_SIZES, autotune
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
     from eagle_core.policy import ModeChooser
 
-    tokens, seconds, accept_lengths = {"tree": 0, "auto": 0, "plain": 0}, {"tree": 0.0, "auto": 0.0, "plain": 0.0}, []
+    ids = [prompt_ids(tokenizer, messages) for messages in prompts]
+    full = config.eval_tree
+    sizes = [s for s in DEFAULT_SIZES if s < full.total_tokens] + [full.total_tokens]
+    context = sum(map(len, ids)) // len(ids) + config.eval_max_new_tokens // 2
+    tuned = autotune(target, draft, ids, top_k=full.top_k, depth=full.depth, sizes=sizes, context_tokens=context,
+                     max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    tokens, seconds = {"tree": 0, "auto": 0, "plain": 0}, {"tree": 0.0, "auto": 0.0, "plain": 0.0}
     chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
-    for messages in prompts:
-        ids = [prompt_ids(tokenizer, messages)]
+    for prompt in ids:
         for mode in tokens:
             start = time.perf_counter()
-            out = generate(target, ids, draft=None if mode == "plain" else draft, tree=config.eval_tree, mode=mode,
-                           chooser=chooser,
-                           max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+            out = generate(target, [prompt], draft=None if mode == "plain" else draft, tree=tuned.tree, mode=mode,
+                           chooser=chooser, max_new_tokens=config.eval_max_new_tokens,
+                           eos_token_id=tokenizer.eos_token_id)
             seconds[mode] += time.perf_counter() - start
             tokens[mode] += out.stats[0].new_tokens
-            if mode == "tree":
-                accept_lengths += out.stats[0].accept_lengths
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
-    return {"tau": 1.0 + sum(accept_lengths) / max(len(accept_lengths), 1), "tokens_per_s": tps["auto"],
-            "tree_tokens_per_s": tps["tree"], "plain_tokens_per_s": tps["plain"],
-            "speedup": tps["auto"] / max(tps["plain"], 1e-9), "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9),
-            "prompts": len(prompts)}
+    largest = max(int(key.split("/")[1]) for key in tuned.tau if key.startswith(f"{full.depth}/"))
+    return {"tau": tuned.tau[f"{full.depth}/{largest}"],
+            "tuned_tree": str(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
+            "plain_tokens_per_s": tps["plain"], "speedup": tps["auto"] / max(tps["plain"], 1e-9),
+            "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "prompts": len(prompts)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,10 +238,11 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, to
                        champion_eval["tau"] if champion_eval else None, config.margin)
     return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
             "tokens_per_s": new["tokens_per_s"], "plain_tokens_per_s": new["plain_tokens_per_s"],
-            "speedup": new["speedup"], "tree_speedup": new["tree_speedup"],
+            "speedup": new["speedup"], "tree_speedup": new["tree_speedup"], "tuned_tree": new["tuned_tree"],
             "champion_tau": champion_eval["tau"] if champion_eval else None,
             "champion_speedup": champion_eval["speedup"] if champion_eval else None,
             "champion_tree_speedup": champion_eval["tree_speedup"] if champion_eval else None,
+            "champion_tuned_tree": champion_eval["tuned_tree"] if champion_eval else None,
             "champion_version": int(champion.version) if champion is not None else None,
             "reused_shards": len(manifest.reused_shards), "shards": len(manifest.shards),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}

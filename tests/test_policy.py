@@ -58,3 +58,17 @@ def test_generate_auto_equals_plain_and_uses_every_mode(temperature):
 def test_generate_rejects_an_unknown_mode(tiny_target):
     with pytest.raises(ValueError, match="mode must be"):
         generate(tiny_target, [[1, 2, 3]], draft=echo_draft(tiny_target), mode="fastest", max_new_tokens=2)
+
+
+def test_a_clearly_losing_mode_is_remeasured_ever_less_often():
+    """Re-measuring costs a losing round: the interval doubles while the mode keeps losing (8, 16, 32, ...)."""
+    chooser = ModeChooser(modes=("tree", "plain"), explore_every=8, warmup_rounds=1, max_explore_every=64)
+    picks = []
+    for _ in range(400):
+        mode = chooser.choose(1)
+        picks.append(mode)
+        chooser.record(1, mode, tokens=1, seconds=2.0 if mode == "tree" else 1.0)
+    explored = [i for i, m in enumerate(picks) if m == "tree"][1:]  # after the warm-up round
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[0] < gaps[2]  # backing off
+    assert max(gaps) <= 64 + 1 and len(explored) >= 5  # but never forgotten

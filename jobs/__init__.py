@@ -1,0 +1,1 @@
+"""Command-line jobs: `python -m jobs.<name>` (or `python jobs/<name>.py` with the project installed)."""
