@@ -151,6 +151,12 @@ class Step:
     draft_s: float  # draft tree, draft cache extension (and catch-up of deferred plain steps)
     verify_s: float  # target forward(s) with acceptance and cache update; for a prefill the whole prefill
     round: RoundOutput | None = None  # the tensors of a tree/chain round (instrumentation)
+    catch_up_s: float = 0.0  # of draft_s: feeding the draft what earlier plain steps deferred
+
+    @property
+    def round_seconds(self) -> float:
+        """What this round's own mode cost: the catch-up is work the earlier plain steps deferred."""
+        return self.draft_s + self.verify_s - self.catch_up_s
 
     @property
     def seconds(self) -> float:
@@ -221,7 +227,7 @@ class DecodingState:
         self.root, self.draft_hidden = out.root, out.draft_hidden
         accept_lengths = out.accept_length.tolist()
         tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
-        return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out)
+        return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s)
 
     def _plain_step(self) -> Step:
         """With a draft, the step's features are kept (deferred) so that trees can resume later."""

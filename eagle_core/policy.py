@@ -20,14 +20,16 @@ class ModeChooser:
     tokens over seconds, both exponentially decayed sums. Every mode is tried `warmup_rounds` times
     first; afterwards the best one runs, and each other mode is re-measured now and then so that a change
     of load or workload is noticed: `explore_every` rounds after it last ran, an interval that doubles
-    (up to `max_explore_every`) each time it is still not the best, so a mode that clearly loses costs
-    ever less. Switching costs nothing: every mode is lossless and keeps the caches in the same state.
+    (up to `max_explore_every`) each time it is still more than `margin` below the best, so a mode that
+    clearly loses costs ever less while a close contender keeps being measured (one round's tokens are
+    noisy). A tree round is charged its own cost, not the catch-up of the plain steps before it. Switching costs nothing: every mode is lossless and keeps the caches in the same state.
     """
 
-    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.25, warmup_rounds: int = 2,
-                 max_explore_every: int = 256):
+    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.1, warmup_rounds: int = 2,
+                 max_explore_every: int = 256, margin: float = 0.1):
         self.modes, self.explore_every, self.alpha = tuple(modes), explore_every, alpha
         self.warmup_rounds, self.max_explore_every = warmup_rounds, max(max_explore_every, explore_every)
+        self.margin = margin  # a mode within this fraction of the best is a contender: no back-off
         # per (bucket, mode): decayed sums of committed tokens and seconds, and the number of rounds seen.
         # A ratio of sums, not a mean of per-round rates: one unlucky round (nothing accepted) must not
         # condemn a mode that pays on average.
@@ -73,7 +75,7 @@ class ModeChooser:
         self.seconds[key] = keep * self.seconds.get(key, 0.0) + seconds
         self.samples[key] = self.samples.get(key, 0) + 1
         self.last[key] = self.rounds[b]
-        if self.samples[key] > self.warmup_rounds:  # a re-measurement: back off while it keeps losing
-            losing = self.best(batch_rows) != mode
+        if self.samples[key] > self.warmup_rounds:  # a re-measurement: back off while it clearly loses
+            losing = self.rate(batch_rows, mode) < (1 - self.margin) * self.rate(batch_rows, self.best(batch_rows))
             grown = min(2 * self.interval.get(key, self.explore_every), self.max_explore_every)
             self.interval[key] = grown if losing else self.explore_every
