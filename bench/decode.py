@@ -116,7 +116,7 @@ def agreement(runs: list[dict], reference: list[dict]) -> float:
 def summarize(label: str, runs: list[dict], reference: list[dict], target_bytes: int, draft_step_bytes: int,
               depth: int) -> dict:
     """One variant ("tree bf16"): tokens/s, tau, forwards, bandwidth, agreement with `reference` (HF greedy of
-    the same dtype); `depth`: draft levels per round (0 without a draft)."""
+    the same dtype, else our plain loop of it); `depth`: draft levels per round (0 without a draft)."""
     method = label.split()[0]
     tokens = sum(len(r["tokens"]) for r in runs)
     seconds = sum(r["seconds"] for r in runs)
@@ -330,7 +330,7 @@ def summaries(runs: dict[str, list], variants: dict) -> list[dict]:
     summary = []
     for label, (runner, method) in variants.items():
         tag = label.split()[1]
-        reference = runs.get(f"hf_greedy {tag}") or runs[label]
+        reference = runs.get(f"hf_greedy {tag}") or runs.get(f"plain {tag}") or runs[label]
         depth = {"chain": runner.chain.depth, "tree": runner.tree.depth, "auto": runner.tree.depth}.get(method, 0)
         summary.append(summarize(label, runs[label], reference, param_bytes(runner.model),
                                  draft_step_bytes(runner.draft), depth))
