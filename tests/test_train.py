@@ -409,3 +409,33 @@ def test_streaming_decodes_features_in_the_actors_dtype(ray_cluster, work, tmp_p
     summary = run_train(config)
     weights = load_file(str(Path(summary["draft"]) / "model.safetensors"))
     assert summary["total_steps"] >= 1 and all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_finish_run_exports_the_draft_to_an_object_store_url(tmp_path, tiny_target_dir):
+    """An fsspec output that is not a local folder (here memory://; s3:// or gs:// in a cluster) gets both
+    exported layouts uploaded file by file, and the summary points at them: no local --output required."""
+    from types import SimpleNamespace
+
+    import fsspec
+    from ray.train import Checkpoint
+
+    from eagle_core.checkpoint import load_draft, save_draft
+    from eagle_core.draft import Eagle3Draft
+    from eagle_core.target import load_target
+    from pipelines.train.driver import finish_run
+
+    target, _ = load_target(str(tiny_target_dir), device="cpu", dtype="float32")
+    ckpt = tmp_path / "checkpoint"
+    save_draft(Eagle3Draft.from_target(target, draft_vocab_size=64), ckpt / "draft")
+    (ckpt / "state.json").write_text(json.dumps({"step": 7}))
+    result = SimpleNamespace(checkpoint=Checkpoint.from_directory(str(ckpt)), metrics={"loss": 1.5}, error=None)
+    output = "memory://eagle3-test/finish-run"
+    summary = finish_run(TrainJobConfig(features="unused", output=output), result, None, str(tiny_target_dir))
+
+    fs = fsspec.filesystem("memory")
+    assert summary["draft"] == f"{output}/draft" and summary["step"] == 7
+    for layout in ("draft", "draft-speculators"):
+        assert fs.exists(f"/eagle3-test/finish-run/{layout}/config.json")
+    local = tmp_path / "downloaded"
+    fs.get("/eagle3-test/finish-run/draft/", str(local), recursive=True)
+    assert load_draft(local, target=target).config.draft_vocab_size == 64

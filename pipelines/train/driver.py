@@ -182,20 +182,34 @@ def run_train(config: TrainJobConfig) -> dict:
 
 
 def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) -> dict:
-    """Export the last checkpoint's draft (both layouts), log it with the plots, register a version."""
-    from pipelines import tracking
-
+    """Export the last checkpoint's draft (both layouts) to `<output>/draft` and `<output>/draft-speculators`
+    (any fsspec URL: an object-store output is staged locally and uploaded), log it with the plots, register
+    a version."""
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint: {result.error}")
-    draft_dir, spec_dir = Path(_local(config.output)) / "draft", Path(_local(config.output)) / "draft-speculators"
-    with result.checkpoint.as_directory() as ckpt:
+    local = _local_path(config.output)
+    with tempfile.TemporaryDirectory() as staging, result.checkpoint.as_directory() as ckpt:
+        root = Path(local) if local is not None else Path(staging)
+        draft_dir, spec_dir = root / "draft", root / "draft-speculators"
         state = json.loads((Path(ckpt) / "state.json").read_text())
         export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target)
-    summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
-               "checkpoint": result.checkpoint.path, "draft": str(draft_dir), "draft_speculators": str(spec_dir),
-               "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
-    if not run_id:
-        return summary
+        if local is None:
+            for folder in (draft_dir, spec_dir):
+                upload_folder(folder, join_url(config.output, folder.name))
+        summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
+                   "checkpoint": result.checkpoint.path, "draft": join_url(config.output, "draft"),
+                   "draft_speculators": join_url(config.output, "draft-speculators"),
+                   "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
+        if local is not None:
+            summary.update(draft=str(draft_dir), draft_speculators=str(spec_dir))
+        if run_id:
+            summary.update(_log_and_register(config, run_id, draft_dir, spec_dir, state["step"]))
+    return summary
+
+
+def _log_and_register(config: TrainJobConfig, run_id: str, draft_dir: Path, spec_dir: Path, step: int) -> dict:
+    from pipelines import tracking
+
     mlflow = tracking.configure()
     with tracking.start_run(config.mlflow_experiment, run_id=run_id):
         mlflow.log_artifacts(str(draft_dir), "draft")
@@ -203,17 +217,30 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
         with tempfile.TemporaryDirectory() as tmp:
             for path in write_plots(mlflow.tracking.MlflowClient(), run_id, config.ttt_steps, Path(tmp)):
                 mlflow.log_artifact(str(path), "plots")
-        mlflow.log_metric("final_step", state["step"])
+        mlflow.log_metric("final_step", step)
         if config.registered_model_name:
             version = tracking.register_artifact(run_id, "draft", config.registered_model_name, CANDIDATE_ALIAS)
-            summary.update(registered_model=config.registered_model_name, model_version=version)
-    return summary
+            return {"registered_model": config.registered_model_name, "model_version": version}
+    return {}
 
 
-def _local(url: str) -> str:
+def _local_path(url: str) -> str | None:
+    """The local path of a local or file:// URL; None for any other fsspec URL (an object store)."""
     if "://" in url and not url.startswith("file://"):
-        raise ValueError("the exported draft is written next to the job; give a local --output for now")
+        return None
     return url.removeprefix("file://")
+
+
+def upload_folder(folder: Path, url: str) -> None:
+    """Copy a local folder to `url` (replacing what is there), file by file: no reliance on a directory rename."""
+    fs, root = fsspec.core.url_to_fs(url)
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            dest = f"{root}/{path.relative_to(folder).as_posix()}"
+            fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(path), dest)
 
 
 def export_draft(checkpoint_draft: Path, draft_dir: Path, spec_dir: Path, target: str) -> None:
