@@ -12,6 +12,7 @@ requested layers through forward hooks, so a 30-layer target never materialises 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -64,6 +65,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}[str(dtype)]
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True where bf16 matrix work is native: a CUDA GPU with bf16, or a CPU with AVX512-BF16 or AMX.
 

@@ -117,5 +117,5 @@ def test_engine_auto_modes_and_admission_equal_plain(damped, sampling):
     for i in range(len(prompts)):
         assert done[i].kind == "done", done[i].text
         assert done[i].token_ids == plain[i]
-        modes |= {m for m, n in done[i].modes.items() if n}
+        modes |= {m for m, n in done[i].stats.modes.items() if n}
     assert modes == {"tree", "chain", "plain"}

@@ -63,7 +63,6 @@ class Event:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     token_ids: list[int] = field(default_factory=list)
-    modes: dict[str, int] = field(default_factory=dict)  # rounds per decoding mode
 
 
 @dataclass
@@ -173,8 +172,7 @@ class _Row:
         s.new_tokens = len(self.state.tokens)
         s.total_s = time.perf_counter() - self.started
         reason = "stop" if s.finish_reason in ("eos", "stop") else s.finish_reason
-        self.request.on_event(Event("done", finish_reason=reason, stats=s, token_ids=list(self.state.tokens),
-                                    modes={m: s.modes.get(m, 0) for m in MODES}))
+        self.request.on_event(Event("done", finish_reason=reason, stats=s, token_ids=list(self.state.tokens)))
 
 
 class Lane:

@@ -348,12 +348,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def speculative_info(stats, modes: dict[str, int]) -> dict:
+def speculative_info(stats) -> dict:
     """The extra `speculative` field: RequestStats' numbers (definitions in pipelines/serve/metrics.py)."""
     return {"rounds": stats.rounds, "draft_rounds": len(stats.accept_lengths),
             "accepted_tokens": sum(stats.accept_lengths), "accept_lengths": list(stats.accept_lengths),
             "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
-            "rounds_by_mode": {k: v for k, v in modes.items() if v},
+            "rounds_by_mode": {k: v for k, v in stats.modes.items() if v},
             "prefill_s": round(stats.prefill_s, 6), "draft_s": round(stats.draft_s, 6),
             "verify_s": round(stats.verify_s, 6)}
 

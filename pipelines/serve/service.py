@@ -135,7 +135,7 @@ class Service:
             self.metrics.on_finish(event.stats)
             build = P.chat_body if chat else P.completion_body
             return build(rid, created, self.config.served_name, "".join(parts), event.finish_reason,
-                         P.usage(prompt_len, event.stats.new_tokens), P.speculative_info(event.stats, event.modes))
+                         P.usage(prompt_len, event.stats.new_tokens), P.speculative_info(event.stats))
         raise P.ApiError(500, "generation ended without a result", type="server_error")
 
     async def stream(self, req, chat: bool, on_end=None):
@@ -162,7 +162,7 @@ class Service:
                     self.metrics.on_finish(event.stats)
                     last = chunk("", event.finish_reason)
                     last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
-                    last["speculative"] = P.speculative_info(event.stats, event.modes)
+                    last["speculative"] = P.speculative_info(event.stats)
                     yield P.sse(last)
                     if req.stream_options is not None and req.stream_options.include_usage:
                         usage_chunk = chunk("")

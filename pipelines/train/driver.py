@@ -49,11 +49,12 @@ def _stream_data(config: TrainJobConfig) -> tuple[dict, TrainPlan, dict, Lineage
     """Streaming mode: a tokenising first pass for the vocabulary and step count; the feature stream itself."""
     from eagle_core.target import resolve_aux_layer_ids, resolve_dtype, weights_fingerprint
     from pipelines.extract import ExtractConfig, stream_features
+    from pipelines.feature_files import DTYPE_NAMES
 
     # The actors' dtype is fixed here, once: the trainer must decode the streamed bytes in that dtype.
     dtype = str(config.extract.get("dtype", "auto"))
     if dtype == "auto":
-        dtype = str(resolve_dtype("auto", "cuda" if config.use_gpu else "cpu")).removeprefix("torch.")
+        dtype = DTYPE_NAMES[resolve_dtype("auto", "cuda" if config.use_gpu else "cpu")]
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "dtype": dtype,
                                "output": join_url(config.output, "stream"), "mlflow_experiment": None})
     first = stream_first_pass(config, extract)
@@ -196,12 +197,11 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
         if local is None:
             for folder in (draft_dir, spec_dir):
                 upload_folder(folder, join_url(config.output, folder.name))
+        draft_url, spec_url = ((str(draft_dir), str(spec_dir)) if local is not None else
+                               (join_url(config.output, "draft"), join_url(config.output, "draft-speculators")))
         summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
-                   "checkpoint": result.checkpoint.path, "draft": join_url(config.output, "draft"),
-                   "draft_speculators": join_url(config.output, "draft-speculators"),
+                   "checkpoint": result.checkpoint.path, "draft": draft_url, "draft_speculators": spec_url,
                    "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
-        if local is not None:
-            summary.update(draft=str(draft_dir), draft_speculators=str(spec_dir))
         if run_id:
             summary.update(_log_and_register(config, run_id, draft_dir, spec_dir, state["step"]))
     return summary
