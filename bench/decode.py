@@ -41,6 +41,7 @@ from pipelines.data import load_mtbench_questions, spread_indices
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "auto")
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 COST_WIDTHS = (1, 2, 4, 8, 16, 32)
+COST_CONTEXT = 300  # cache length of the cost table (tokens)
 
 
 def describe_draft(folder: Path) -> str:
@@ -272,7 +273,7 @@ def choose_tree(args, model, draft, eos, prompts, calib):
 
 
 @torch.inference_mode()
-def measure_costs(model, draft, top_k: int, context_tokens: int = 300, repeats: int = 5) -> dict:
+def measure_costs(model, draft, top_k: int, context_tokens: int = COST_CONTEXT, repeats: int = 5) -> dict:
     """Bare transformers forward vs our verify forward at COST_WIDTHS, our plain step, one draft level (ms)."""
     from transformers import DynamicCache
 
@@ -356,12 +357,13 @@ def main(argv=None):
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtypes.split(",") if d]
     questions = load_mtbench_questions()
     chain = TreeConfig.chain(args.chain_depth)
-    variants, tuned, costs = {}, {}, {}
+    variants, tuned, costs, runners, prompts = {}, {}, {}, {}, None
     for dtype in dtypes:
         model, tokenizer, draft, eos = load_models(args.draft, dtype)
-        chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
+        if prompts is None:  # the same tokenizer in every dtype
+            chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
         tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)
-        runner = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
+        runner = runners[SHORT[dtype]] = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
         for m in methods:  # warm-up: first-call costs stay out of the measurement
             runner.run(m, calib[0][:64], 4)
             variants[f"{m} {SHORT[dtype]}"] = (runner, m)
@@ -371,7 +373,7 @@ def main(argv=None):
     runs = measure(variants, prompts, args.max_new_tokens)
     wall = round(time.perf_counter() - t_start)
     summary = summaries(runs, variants)
-    trees = {tag: str(r.tree) for tag, r in {lbl.split()[1]: v[0] for lbl, v in variants.items()}.items()}
+    trees = {tag: str(r.tree) for tag, r in runners.items()}
     meta = dict(target="SmolLM2-135M-Instruct", draft=describe_draft(Path(args.draft)),
                 machine=machine(torch.get_num_threads()), command=command("decode", argv),
                 prompts=len(prompts), question_ids=[questions[i]["question_id"] for i in chosen],
@@ -379,7 +381,7 @@ def main(argv=None):
                 note=f"Wall time {wall} s; timings on a shared machine are noisy, "
                      f"which is why methods are interleaved per prompt")
     categories = by_category(runs, [questions[i]["category"] for i in chosen])
-    cost_table = {"context_tokens": 300, "top_k": args.top_k, "by_dtype": costs} if costs else None
+    cost_table = {"context_tokens": COST_CONTEXT, "top_k": args.top_k, "by_dtype": costs} if costs else None
     result = dict(meta=meta, summary=summary, by_category=categories, costs=cost_table,
                   autotune={k: v.to_dict() for k, v in tuned.items() if v}, per_prompt=per_prompt(runs))
     path = write_json(Path(args.out) / "decode.json", result)

@@ -2,8 +2,8 @@
 
 The request side of decoding: `RequestStats` (per-request metrics), `Request` (a request's tokens, stop
 conditions and stats, updated from each `eagle_core.decoding.Step`), and `generate`, which drives one
-`DecodingState` to the end: prefill, then rounds (one mode, or the auto policy), finished rows leaving. The serving
-engine drives the same state and the same `Request` bookkeeping with continuous batching.
+`DecodingState` to the end: prefill, then rounds (one mode, or the auto policy), finished rows leaving.
+The serving engine drives the same state and the same `Request` bookkeeping with continuous batching.
 
 Speculative and plain decoding share the same caches and target forward, so the plain loop is the honest
 baseline and the reference of the lossless tests. Chain drafting is `TreeConfig.chain(n)`.

@@ -22,7 +22,8 @@ class ModeChooser:
     of load or workload is noticed: `explore_every` rounds after it last ran, an interval that doubles
     (up to `max_explore_every`) each time it is still more than `margin` below the best, so a mode that
     clearly loses costs ever less while a close contender keeps being measured (one round's tokens are
-    noisy). A tree round is charged its own cost, not the catch-up of the plain steps before it. Switching costs nothing: every mode is lossless and keeps the caches in the same state.
+    noisy). A tree round is charged its own cost, not the catch-up of the plain steps before it.
+    Switching costs nothing: every mode is lossless and keeps the caches in the same state.
     """
 
     def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.1, warmup_rounds: int = 2,

@@ -112,8 +112,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
             seconds[mode] += time.perf_counter() - start
             tokens[mode] += out.stats[0].new_tokens
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
-    largest = max(int(key.split("/")[1]) for key in tuned.tau if key.startswith(f"{full.depth}/"))
-    return {"tau": tuned.tau[f"{full.depth}/{largest}"],
+    return {"tau": tuned.tau[f"{full.depth}/{full.size}"],  # the calibration tree itself
             "tuned_tree": str(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
             "plain_tokens_per_s": tps["plain"], "speedup": tps["auto"] / max(tps["plain"], 1e-9),
             "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "prompts": len(prompts)}
