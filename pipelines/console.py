@@ -51,18 +51,27 @@ def quiet_terminal(log_path: str, tags=TAGS):
     os.dup2(log.fileno(), 2)
     stop = threading.Event()
 
+    def show(line):
+        if _said and line.rstrip("\n") == _said[0]:
+            terminal.write(_said.popleft() + "\n")
+        elif (shown := tagged(line, tags)) is not None:
+            terminal.write(shown + "\n")
+
     def echo():
+        line = ""  # a line is shown once complete: a read can end inside a line still being written
         with open(log_path) as f:
             f.seek(start)
             while True:
-                line = f.readline()
+                part = f.readline()
+                line += part
                 if line.endswith("\n"):
-                    if _said and line.rstrip("\n") == _said[0]:
-                        terminal.write(_said.popleft() + "\n")
-                    elif (shown := tagged(line, tags)) is not None:
-                        terminal.write(shown + "\n")
+                    show(line)
+                    line = ""
+                if part:
                     continue
                 if stop.is_set():
+                    if line:
+                        show(line)
                     return
                 time.sleep(0.2)
 

@@ -25,6 +25,7 @@ def test_quiet_terminal_shows_stages_and_logs_everything(tmp_path):
             sys.stderr.write("UserWarning: something\\n")
             subprocess.run([sys.executable, "-c", "print('(Worker pid=1) [train] step 1/2 loss 0.5')"])
             subprocess.run([sys.executable, "-c", "import os; os.write(2, b'C++ log line\\\\n')"])
+            os.write(1, b"[train] a line written "); time.sleep(0.6); os.write(1, b"in two parts\\n")
             say("[demo] result 1.23")
             time.sleep(0.5)
         print("after: back on the terminal")
@@ -32,8 +33,8 @@ def test_quiet_terminal_shows_stages_and_logs_everything(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     shown = out.stdout.splitlines()
-    assert shown == ["=== 1/2 stage one", "[train] step 1/2 loss 0.5", "[demo] result 1.23",
-                     "after: back on the terminal"], shown
+    assert shown == ["=== 1/2 stage one", "[train] step 1/2 loss 0.5",
+                     "[train] a line written in two parts", "[demo] result 1.23", "after: back on the terminal"], shown
     assert out.stderr == ""
     logged = log.read_text()
     for line in ("INFO ray noise from the driver", "UserWarning: something", "C++ log line",
