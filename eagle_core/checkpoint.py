@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_core.draft import DraftConfig, Eagle3Draft
-from eagle_core.target import default_aux_layer_ids
+from eagle_core.target import default_aux_layer_ids, local_folder
 from eagle_core.vocab import check_vocab_mapping
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -359,7 +359,9 @@ def load_draft(folder, target=None, device=None, dtype=None, convention: str | N
     shares the target's embeddings, they are attached. Without it such a draft has zero embeddings until
     `draft.set_target_embeddings(...)` is called (a warning says so). `convention` ("sglang"/"specforge" or
     "vllm") says how a checkpoint trained elsewhere counts its aux layer ids; ours carry a marker instead.
+    `folder` is a local path or any fsspec URL (fetched once per node into the cache).
     """
+    folder = local_folder(folder)
     data, config = read_config(folder, convention)
     if target is not None:
         validate_against_target(config, target, source=f"draft checkpoint {folder}")

@@ -50,14 +50,20 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
 
 def regenerate_conversations(model, tokenizer, conversations: list[dict], max_new_tokens: int = 512,
                              temperature: float = 0.0, seed: int = 0, max_length: int = 2048,
-                             batch_size: int = 16) -> tuple[list[dict], dict[str, str]]:
+                             batch_size: int = 16, replies=None) -> tuple[list[dict], dict[str, str]]:
     """Rewrite every assistant turn with the target, turn by turn, each conditioned on the rewritten history.
+
+    `replies(prompts, seed) -> texts` answers a batch of tokenised prompts: by default `model` in this process
+    (`generate_replies`); any serving engine otherwise (`pipelines.regenerate.OpenAIReplies`).
 
     Conversations advance together: all those with a k-th assistant turn are generated in batches.
     A conversation stops at the first turn whose prompt no longer fits `max_length` (later turns would be
     truncated away anyway) or whose reply is empty. Returns (rewritten conversations, {id: reason} of
     those left with no assistant turn).
     """
+    if replies is None:
+        def replies(prompts, batch_seed):
+            return generate_replies(model, tokenizer, prompts, max_new_tokens, temperature, batch_seed)
     history = [[] for _ in conversations]  # rewritten messages so far
     pending = [list(c["messages"]) for c in conversations]  # original messages still to go
     alive = [True] * len(conversations)
@@ -78,9 +84,8 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], max_ne
             break
         for start in range(0, len(work), batch_size):
             chunk = work[start:start + batch_size]
-            replies = generate_replies(model, tokenizer, [ids for _, ids in chunk], max_new_tokens, temperature,
-                                       seed + 1000 * turn + start)
-            for (i, _), reply in zip(chunk, replies):
+            answers = replies([ids for _, ids in chunk], seed + 1000 * turn + start)
+            for (i, _), reply in zip(chunk, answers):
                 pending[i].pop(0)
                 if reply:
                     history[i].append({"role": "assistant", "content": reply})

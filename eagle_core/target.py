@@ -153,23 +153,78 @@ def _cached_conversion(gguf: Path) -> Path:
     return out
 
 
+def is_remote(source: str | os.PathLike) -> bool:
+    """An fsspec URL other than a local file (s3://, gs://, hf://, memory://, ...)."""
+    source = str(source)
+    return "://" in source and not source.startswith("file://")
+
+
+def fetch_folder(url: str) -> Path:
+    """A remote folder (any fsspec URL) copied once per node into `EAGLE3_CACHE/remote/`, keyed by the URL and
+    by its listing (names, sizes, ETags or times), so a changed folder is fetched again and an unchanged one
+    never is. Concurrent processes on a node share one download (file lock; a temporary folder renamed in)."""
+    import fsspec
+    from filelock import FileLock
+
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    listing = sorted((path, info.get("size"), str(info.get("ETag") or info.get("mtime") or info.get("LastModified")))
+                     for path, info in fs.find(root, detail=True).items())
+    if not listing:
+        raise FileNotFoundError(f"{url}: no files there")
+    key = hashlib.sha256(repr((url, listing)).encode()).hexdigest()[:16]
+    out = cache_dir() / "remote" / f"{os.path.basename(root) or 'folder'}-{key}"
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not out.is_dir():
+            tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+            try:
+                for path, _, _ in listing:
+                    dest = tmp / os.path.relpath(path, root)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    fs.get_file(path, str(dest))
+                tmp.chmod(0o755)
+                os.rename(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def local_folder(source: str | os.PathLike) -> Path:
+    """A model folder named by a local path, a file:// URL or any remote fsspec URL, as a local path."""
+    source = str(source)
+    return fetch_folder(source) if is_remote(source) else Path(source.removeprefix("file://"))
+
+
 def materialize_hf_folder(name_or_path: str | os.PathLike) -> Path:
-    """Map a target spec (short name, GGUF file, HF folder) to a local HF folder."""
+    """Map a target spec to a local HF folder: the short name `smollm2-135m`, a GGUF file, an HF folder (local
+    path or any fsspec URL: fetched once per node into the cache), or a Hugging Face hub id such as
+    `meta-llama/Llama-3.1-8B-Instruct` (the hub's own download and cache; `HF_HUB_OFFLINE=1` is honoured)."""
     spec = str(name_or_path)
     if spec == SMOLLM2_NAME:
-        gguf = smollm2_gguf_path()
-    elif spec.endswith(".gguf"):
+        return _cached_conversion(smollm2_gguf_path())
+    if spec.endswith(".gguf") and not is_remote(spec):
         gguf = Path(spec)
         if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
-    else:
-        folder = Path(spec)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"target {spec!r} is neither {SMOLLM2_NAME!r}, a .gguf file, nor an HF folder with config.json"
-            )
+        return _cached_conversion(gguf)
+    folder = local_folder(spec)
+    if (folder / "config.json").is_file():
         return folder
-    return _cached_conversion(gguf)
+    if _looks_like_hub_id(spec):
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                            "*.jinja", "*.tiktoken"]))
+    raise FileNotFoundError(f"target {spec!r} is neither {SMOLLM2_NAME!r}, a .gguf file, a folder with config.json "
+                            "(a path or an fsspec URL) nor a Hugging Face hub id")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not os.path.exists(spec) and "://" not in spec
 
 
 def load_target(

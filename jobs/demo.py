@@ -73,6 +73,7 @@ def retrain_step(args, work: str) -> dict:
     config = RetrainConfig(
         corpus=args.corpus, scales=[args.rows], work=f"{work}/demo", target=args.target,
         registered_model=REGISTERED_MODEL, eval_count=args.eval_count, eval_max_new_tokens=args.answer_tokens,
+        eval_cpus=float(os.cpu_count() or 1),  # evaluation runs as a Ray task: with every core, as the user decodes
         extract={"max_length": args.max_length, "regenerate": True, "max_new_tokens": args.max_new_tokens,
                  "rows_per_shard": 8, "regen_batch_size": 8, "cpus_per_worker": 1.0,
                  "mlflow_experiment": "eagle3-extract"},

@@ -21,12 +21,25 @@ parse_layer_ids = comma_separated(int, "integers",
                                   lambda ids: None if len(ids) == 3 else "EAGLE-3 uses exactly three aux layers")
 
 
+def regenerate_with(value: str) -> str:
+    from pipelines.regenerate import parse_regenerate_with
+
+    try:
+        parse_regenerate_with(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return value
+
+
 def add_extraction_options(p, d: ExtractConfig) -> None:
     """What to read and how the target regenerates and computes: shared with jobs/train.py's streaming mode."""
     p.add_argument("--limit", type=int, default=d.limit, help="read at most this many corpus rows")
     p.add_argument("--max-length", type=int, default=d.max_length, help="truncate conversations to this many tokens")
     p.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=d.regenerate,
                    help="rewrite assistant turns with the target before extracting")
+    p.add_argument("--regenerate-with", type=regenerate_with, default=d.regenerate_with, metavar="hf|openai:URL",
+                   help="who regenerates: 'hf' (the target in each extraction actor) or any OpenAI-compatible server, "
+                        "e.g. openai:http://vllm:8000/v1 (prompts sent as token ids; OPENAI_API_KEY as bearer)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="regeneration: tokens per reply")
     p.add_argument("--temperature", type=float, default=d.temperature, help="regeneration temperature (0 = greedy)")
     p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=d.aux_layer_ids,
@@ -42,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default=d.corpus, help="corpus URL (file, folder or glob; any fsspec protocol); "
                    "'sharegpt' = the embedded ShareGPT file")
     p.add_argument("--output", default=d.output, help="output URL for shards, regenerated conversations, manifest")
-    p.add_argument("--target", default=d.target, help="target model: HF folder, .gguf file or 'smollm2-135m'")
+    p.add_argument("--target", default=d.target, help="target model: 'smollm2-135m', a .gguf file, an HF folder (path or URL) or a hub id")
     add_extraction_options(p, d)
     p.add_argument("--seed", type=int, default=d.seed, help="regeneration seed")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="actors per stage (one target each)")

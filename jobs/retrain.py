@@ -42,11 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated data scales: fractions <= 1 of the corpus, or row counts")
     p.add_argument("--corpus-rows", type=int, default=d.corpus_rows, help="rows a fraction refers to (default: all)")
     p.add_argument("--work", default=d.work, help="URL for the features and drafts of every scale")
-    p.add_argument("--target", default=d.target, help="target model: HF folder, .gguf file or 'smollm2-135m'")
+    p.add_argument("--target", default=d.target, help="target model: 'smollm2-135m', a .gguf file, an HF folder (path or URL) or a hub id")
     p.add_argument("--registered-model", default=d.registered_model, help="MLflow registered model of the drafts")
     p.add_argument("--eval-prompts", default=d.eval_prompts, help="'mtbench' or a JSONL file of {prompt|messages}")
     p.add_argument("--eval-count", type=int, default=d.eval_count, help="held-out prompts decoded per evaluation")
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens, help="tokens per evaluation prompt")
+    p.add_argument("--eval-cpus", type=float, default=d.eval_cpus, help="CPUs of the evaluation task")
+    p.add_argument("--eval-gpus", type=float, default=d.eval_gpus,
+                   help="GPUs of the evaluation task (default: 1 when the cluster has GPUs)")
     p.add_argument("--margin", type=float, default=d.margin, help="tau gain over the champion needed for promotion")
     p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="initialise from the current champion when compatible (else from scratch)")

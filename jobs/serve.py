@@ -26,8 +26,8 @@ def parse_sets(items: list[str]) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="target name, HF folder or models:/<name>@<alias>")
-    p.add_argument("--draft", default=None, help="draft folder or models:/<name>@<alias>; omit for plain decoding")
+    p.add_argument("--target", default="smollm2-135m", help="target: 'smollm2-135m', a .gguf file, an HF folder (path or URL), a hub id or models:/<name>@<alias>")
+    p.add_argument("--draft", default=None, help="draft folder (path or URL) or models:/<name>@<alias>; omit for plain decoding")
     p.add_argument("--name", default="eagle3", help="Serve application name")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (an all-interfaces address exposes the server to the network: only behind auth)")
     p.add_argument("--port", type=int, default=8000)

@@ -22,7 +22,7 @@ from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train
 
 # Streaming mode: the extraction options (jobs/extract.py) that apply, with their ExtractConfig names.
 STREAM_OPTIONS = {
-    "limit": "limit", "max_length": "max_length", "regenerate": "regenerate", "max_new_tokens": "max_new_tokens",
+    "limit": "limit", "max_length": "max_length", "regenerate": "regenerate", "regenerate_with": "regenerate_with", "max_new_tokens": "max_new_tokens",
     "temperature": "temperature", "aux_layer_ids": "aux_layer_ids", "dtype": "dtype",
     "extract_workers": "num_workers", "gpus_per_extract_worker": "gpus_per_worker",
     "cpus_per_extract_worker": "cpus_per_worker", "extract_tokens_per_batch": "tokens_per_batch",

@@ -23,3 +23,10 @@ def connect(address: str | None = None, num_cpus: int | None = None):
         cpus = num_cpus or max(4, 2 * (os.cpu_count() or 1))
         ray.init(address="local", num_cpus=cpus, include_dashboard=False)
     return ray
+
+
+def alive_nodes() -> int:
+    """Nodes of the connected Ray cluster (1 when Ray is not initialised: everything runs here)."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node["Alive"]) if ray.is_initialized() else 1

@@ -28,16 +28,12 @@ from pipelines.feature_files import (
     SHARD_META_KEY,
     FeatureManifest,
     ShardEntry,
-    _fs,
-    _join,
-    commit_bytes,
     committed_shards,
-    exists,
     feature_table,
-    read_bytes,
     read_shard_summary,
     write_manifest,
 )
+from pipelines.storage import commit_bytes, exists, join, read_bytes, url_to_fs
 
 
 @dataclass
@@ -48,6 +44,9 @@ class ExtractConfig:
     limit: int | None = None
     max_length: int = 2048
     regenerate: bool = True
+    # 'hf': the actor's own target generates (batches of regen_batch_size); 'openai:URL': an OpenAI-compatible
+    # server does (vLLM, SGLang, jobs/serve.py), a whole shard's turn in flight at once (pipelines.regenerate)
+    regenerate_with: str = "hf"
     max_new_tokens: int = 512
     temperature: float = 0.0
     seed: int = 0
@@ -64,6 +63,11 @@ class ExtractConfig:
     # (features and regenerated conversations) instead of being computed again. Retraining at growing data
     # scales uses it: shard k of a prefix of the corpus is shard k of the whole.
     reuse_from: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        from pipelines.regenerate import parse_regenerate_with
+
+        parse_regenerate_with(self.regenerate_with)  # a clear error before any work
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,11 +99,11 @@ def reuse_shards(config: ExtractConfig, names: list[str]) -> list[str]:
         for name in names:
             if name not in available:
                 continue
-            regenerated = _join(source, "regenerated", f"{name}.jsonl")
+            regenerated = join(source, "regenerated", f"{name}.jsonl")
             if config.regenerate and exists(regenerated):
-                commit_bytes(_join(config.output, "regenerated", f"{name}.jsonl"), read_bytes(regenerated))
-            commit_bytes(_join(config.output, "features", f"{name}.parquet"),
-                         read_bytes(_join(source, "features", f"{name}.parquet")))
+                commit_bytes(join(config.output, "regenerated", f"{name}.jsonl"), read_bytes(regenerated))
+            commit_bytes(join(config.output, "features", f"{name}.parquet"),
+                         read_bytes(join(source, "features", f"{name}.parquet")))
             done.add(name)
             reused.append(name)
     return reused
@@ -109,78 +113,65 @@ def reuse_shards(config: ExtractConfig, names: list[str]) -> list[str]:
 # Ray actors: one target per actor
 # --------------------------------------------------------------------------------------------------
 
-class _TargetActor:
-    def __init__(self, target: str, dtype: str, aux_layer_ids):
-        from eagle_core.target import default_device, load_target, resolve_aux_layer_ids
-
-        self.model, self.tokenizer = load_target(target, device=default_device(), dtype=dtype)
-        self.aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, self.model.config.num_hidden_layers)
-
-
-class Regenerator(_TargetActor):
-    """Shard -> shard with every assistant turn rewritten by the target (cached under regenerated/)."""
-
-    def __init__(self, config: dict):
-        self.config = ExtractConfig(**config)
-        super().__init__(self.config.target, self.config.dtype, self.config.aux_layer_ids)
-
-    def __call__(self, batch: dict) -> dict:
-        from eagle_core.features import regenerate_conversations
-
-        c = self.config
-        out_rows, out_quarantine = [], []
-        for shard, rows_json in zip(batch["shard"], batch["rows_json"]):
-            cache = _join(c.output, "regenerated", f"{shard}.jsonl")
-            if exists(cache):
-                with fsspec.open(cache, "rt", encoding="utf-8") as f:
-                    saved = [json.loads(line) for line in f]
-                rows = [r for r in saved if "messages" in r]
-                quarantined = {r["id"]: r["reason"] for r in saved if "reason" in r}
-            else:
-                seed = c.seed + int(shard.split("-")[1])
-                rows, quarantined = regenerate_conversations(
-                    self.model, self.tokenizer, json.loads(rows_json), max_new_tokens=c.max_new_tokens,
-                    temperature=c.temperature, seed=seed, max_length=c.max_length, batch_size=c.regen_batch_size)
-                lines = [json.dumps(r, ensure_ascii=False) for r in rows]
-                lines += [json.dumps({"id": i, "reason": why}) for i, why in quarantined.items()]
-                commit_bytes(cache, ("\n".join(lines) + "\n").encode())
-            out_rows.append(json.dumps(rows, ensure_ascii=False))
-            out_quarantine.append(json.dumps(quarantined))
-        return {"shard": batch["shard"], "rows_json": np.array(out_rows, dtype=object),
-                "quarantine_json": np.array(out_quarantine, dtype=object)}
-
-
-class Extractor(_TargetActor):
-    """Shard of conversations -> committed Parquet shard (returns its summary), or feature rows (streaming)."""
+class Extractor:
+    """One target copy per actor: a shard of conversations -> (regenerated, cached under regenerated/) ->
+    committed Parquet shard (returns its summary), or feature rows (streaming). Regeneration and extraction share
+    the actor's model: no second pool of target copies idling while the other works."""
 
     def __init__(self, config: dict, write: bool = True):
+        from eagle_core.target import default_device, load_target, resolve_aux_layer_ids
+
         self.config = ExtractConfig(**config)
         self.write = write
-        super().__init__(self.config.target, self.config.dtype, self.config.aux_layer_ids)
+        self.model, self.tokenizer = load_target(self.config.target, device=default_device(), dtype=self.config.dtype)
+        self.aux_layer_ids = resolve_aux_layer_ids(self.config.aux_layer_ids, self.model.config.num_hidden_layers)
 
-    def _features(self, rows_json: str):
+    def _regenerated(self, shard: str, rows_json: str) -> tuple[list[dict], dict]:
+        """The shard's conversations with every assistant turn rewritten by the target (read back on reruns)."""
+        from eagle_core.features import regenerate_conversations
+        from pipelines.regenerate import OpenAIReplies, parse_regenerate_with
+
+        c = self.config
+        cache = join(c.output, "regenerated", f"{shard}.jsonl")
+        if exists(cache):
+            with fsspec.open(cache, "rt", encoding="utf-8") as f:
+                saved = [json.loads(line) for line in f]
+            return [r for r in saved if "messages" in r], {r["id"]: r["reason"] for r in saved if "reason" in r}
+        seed = c.seed + int(shard.split("-")[1])
+        conversations, server = json.loads(rows_json), parse_regenerate_with(c.regenerate_with)
+        replies = OpenAIReplies(server, c.max_new_tokens, c.temperature) if server else None
+        rows, quarantined = regenerate_conversations(
+            self.model, self.tokenizer, conversations, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+            seed=seed, max_length=c.max_length, batch_size=len(conversations) if server else c.regen_batch_size,
+            replies=replies)
+        lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+        lines += [json.dumps({"id": i, "reason": why}) for i, why in quarantined.items()]
+        commit_bytes(cache, ("\n".join(lines) + "\n").encode())
+        return rows, quarantined
+
+    def _features(self, shard: str, rows_json: str):
         from eagle_core.features import featurize, tokenize_for_training
 
         c = self.config
-        tokenized, quarantined = tokenize_for_training(self.tokenizer, json.loads(rows_json), c.max_length)
-        return featurize(self.model, tokenized, self.aux_layer_ids, c.tokens_per_batch), quarantined
+        rows, quarantined = self._regenerated(shard, rows_json) if c.regenerate else (json.loads(rows_json), {})
+        tokenized, dropped = tokenize_for_training(self.tokenizer, rows, c.max_length)
+        return featurize(self.model, tokenized, self.aux_layer_ids, c.tokens_per_batch), {**quarantined, **dropped}
 
     def __call__(self, batch: dict) -> dict:
         if not self.write:
-            rows = [r for rows_json in batch["rows_json"] for r in self._features(rows_json)[0]]
+            rows = [r for shard, rows_json in zip(batch["shard"], batch["rows_json"])
+                    for r in self._features(shard, rows_json)[0]]
             return feature_table(rows).to_pydict() if rows else {name: [] for name in FEATURE_SCHEMA.names}
         summaries = []
-        upstream = batch.get("quarantine_json", [None] * len(batch["shard"]))
-        for shard, rows_json, regen_quarantine in zip(batch["shard"], batch["rows_json"], upstream):
+        for shard, rows_json in zip(batch["shard"], batch["rows_json"]):
             start = time.perf_counter()
-            features, quarantined = self._features(rows_json)
-            quarantined.update(json.loads(regen_quarantine) if regen_quarantine else {})
+            features, quarantined = self._features(shard, rows_json)
             summary = self._summary(shard, features, quarantined, time.perf_counter() - start)
             table = feature_table(features)
             table = table.replace_schema_metadata({SHARD_META_KEY: json.dumps(summary).encode()})
             sink = io.BytesIO()
             pq.write_table(table, sink, compression="zstd")
-            commit_bytes(_join(self.config.output, "features", f"{shard}.parquet"), sink.getvalue())
+            commit_bytes(join(self.config.output, "features", f"{shard}.parquet"), sink.getvalue())
             summaries.append(json.dumps({**summary, "bytes": sink.tell()}))
         return {"summary_json": np.array(summaries, dtype=object)}
 
@@ -213,12 +204,8 @@ def _actor_resources(config: ExtractConfig) -> dict:
 def _stages(ds, config: ExtractConfig, write: bool):
     from ray.data import ActorPoolStrategy
 
-    resources = _actor_resources(config)
-    if config.regenerate:
-        ds = ds.map_batches(Regenerator, fn_constructor_kwargs={"config": config.to_dict()}, batch_size=1,
-                            compute=ActorPoolStrategy(size=config.num_workers), **resources)
     return ds.map_batches(Extractor, fn_constructor_kwargs={"config": config.to_dict(), "write": write},
-                          batch_size=1, compute=ActorPoolStrategy(size=config.num_workers), **resources)
+                          batch_size=1, compute=ActorPoolStrategy(size=config.num_workers), **_actor_resources(config))
 
 
 def _ingest_rows(config: ExtractConfig):
@@ -249,7 +236,7 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     print(f"[extract] {ingested.stats.summary()}", flush=True)
     if ingested.stats.quarantined:
         quarantine_lines = [json.dumps(q, ensure_ascii=False) for q in ingested.quarantine.take_all()]
-        commit_bytes(_join(config.output, "quarantine", "ingest.jsonl"), ("\n".join(quarantine_lines) + "\n").encode())
+        commit_bytes(join(config.output, "quarantine", "ingest.jsonl"), ("\n".join(quarantine_lines) + "\n").encode())
     shards = plan_shards(rows, config.rows_per_shard)
     reused = reuse_shards(config, [s["shard"] for s in shards])
     done = committed_shards(config.output)
@@ -277,9 +264,9 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
 
 def build_manifest(config: ExtractConfig, shard_names: list[str], target_config, aux_layer_ids, ingest_stats: dict,
                    weights_hash: str) -> FeatureManifest:
-    summaries = [read_shard_summary(_join(config.output, "features", f"{s}.parquet")) for s in shard_names]
-    fs, _ = _fs(config.output)
-    sizes = [fs.size(_fs(_join(config.output, "features", f"{s}.parquet"))[1]) for s in shard_names]
+    summaries = [read_shard_summary(join(config.output, "features", f"{s}.parquet")) for s in shard_names]
+    fs, _ = url_to_fs(config.output)
+    sizes = [fs.size(url_to_fs(join(config.output, "features", f"{s}.parquet"))[1]) for s in shard_names]
     token_counts, quarantined = Counter(), Counter()
     for s in summaries:
         token_counts.update({int(k): v for k, v in s["token_counts"].items()})
@@ -294,7 +281,8 @@ def build_manifest(config: ExtractConfig, shard_names: list[str], target_config,
         target_num_hidden_layers=target_config.num_hidden_layers,
         aux_layer_ids=aux_layer_ids, dtype=dtype, max_length=config.max_length,
         regenerate=config.regenerate, regeneration={"max_new_tokens": config.max_new_tokens,
-                                                    "temperature": config.temperature, "seed": config.seed},
+                                                    "temperature": config.temperature, "seed": config.seed,
+                                                    "with": config.regenerate_with},
         corpus=config.corpus, limit=config.limit,
         rows=sum(s["rows"] for s in summaries), tokens=tokens, loss_tokens=sum(s["loss_tokens"] for s in summaries),
         ingest=ingest_stats, quarantined_by_reason=dict(quarantined),

@@ -1,7 +1,7 @@
 """An extraction output on disk: the feature schema, hidden-state bytes, atomic commits, shards and the manifest.
 
 Layout of an output folder (any fsspec URL), written by `pipelines.extract`:
-    features/shard-00000-<hash>.parquet   feature rows (schema below), one file per shard, committed by rename
+    features/shard-00000-<hash>.parquet   feature rows (schema below), one file per shard, committed whole (`pipelines.storage.commit_bytes`)
     regenerated/shard-00000-<hash>.jsonl  regenerated conversations (reused on reruns: no second generation)
     quarantine/ingest.jsonl               corpus rows quarantined at ingest, with the reason
     manifest.json                         what the shards hold and how they were made (`FeatureManifest`)
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import fsspec
@@ -29,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from pipelines.storage import arrow_filesystem, commit_bytes, join, url_to_fs
 
 SCHEMA_VERSION = 1
 SHARD_META_KEY = b"eagle3.shard"
@@ -133,7 +134,7 @@ def _is_int(value) -> bool:
 
 
 def load_manifest(output: str) -> FeatureManifest:
-    url = _join(output, "manifest.json")
+    url = join(output, "manifest.json")
     with fsspec.open(url, "rt") as f:
         text = f.read()
     try:
@@ -144,7 +145,7 @@ def load_manifest(output: str) -> FeatureManifest:
 
 
 def write_manifest(output: str, manifest: FeatureManifest) -> None:
-    commit_bytes(_join(output, "manifest.json"), json.dumps(manifest.to_json(), indent=1).encode())
+    commit_bytes(join(output, "manifest.json"), json.dumps(manifest.to_json(), indent=1).encode())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,50 +180,23 @@ def read_features(output: str):
     """The committed feature shards as a Ray Dataset (rows of FEATURE_SCHEMA)."""
     import ray
 
-    return ray.data.read_parquet(_join(output, "features"), file_extensions=["parquet"])
+    filesystem, path = arrow_filesystem(join(output, "features"))
+    return ray.data.read_parquet(path, filesystem=filesystem, file_extensions=["parquet"])
 
 
 # --------------------------------------------------------------------------------------------------
-# Files: atomic commit and shard discovery
+# Shard discovery
 # --------------------------------------------------------------------------------------------------
-
-def _fs(url: str):
-    return fsspec.core.url_to_fs(url)
-
-
-def _join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
-
-
-def commit_bytes(url: str, data: bytes) -> None:
-    """Write then rename, so a reader (or a rerun) never sees half a file."""
-    fs, path = _fs(url)
-    fs.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)
-
-
-def exists(url: str) -> bool:
-    fs, path = _fs(url)
-    return fs.exists(path)
-
-
-def read_bytes(url: str) -> bytes:
-    with fsspec.open(url, "rb") as f:
-        return f.read()
-
 
 def read_shard_summary(url: str) -> dict:
-    fs, path = _fs(url)
+    fs, path = url_to_fs(url)
     with fs.open(path, "rb") as f:
         meta = pq.read_metadata(f).metadata or {}
     return json.loads(meta[SHARD_META_KEY])
 
 
 def committed_shards(output: str) -> set[str]:
-    fs, path = _fs(_join(output, "features"))
+    fs, path = url_to_fs(join(output, "features"))
     if not fs.exists(path):
         return set()
     return {os.path.basename(p)[: -len(".parquet")] for p in fs.ls(path, detail=False) if p.endswith(".parquet")}

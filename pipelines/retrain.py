@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
+from pipelines.storage import join, resolve_source
 
 CHAMPION, CANDIDATE = "champion", "candidate"
 
@@ -38,6 +39,10 @@ class RetrainConfig:
     extract: dict = field(default_factory=dict)  # ExtractConfig overrides (regenerate, max_length, ...)
     train: dict = field(default_factory=dict)  # TrainJobConfig overrides (epochs, lr, num_workers, ...)
     mlflow_experiment: str = "eagle3-retrain"
+    # Evaluation runs as a Ray task on a worker holding the target's resources, never on the driver (a cluster's
+    # head has no GPU and little memory). None GPUs: 1 when the cluster has GPUs, else 0.
+    eval_cpus: float = 1.0
+    eval_gpus: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,10 +59,6 @@ def count_corpus_rows(corpus: str) -> int:
     from pipelines.data import ingest
 
     return ingest(corpus).stats.read
-
-
-def _join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,13 +138,6 @@ def alias_version(name: str, alias: str):
         return None
 
 
-def download_version(name: str, version) -> str:
-    from pipelines import tracking
-
-    mlflow = tracking.configure()
-    return mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}")
-
-
 def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experiment: str = "eagle3-retrain",
                           run_name: str = "register-draft") -> int:
     """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
@@ -175,7 +169,7 @@ def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
     from pipelines.extract import ExtractConfig, run_extract
 
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "limit": rows,
-                               "output": _join(config.work, "features", f"rows-{rows}"),
+                               "output": join(config.work, "features", f"rows-{rows}"),
                                "reuse_from": [*config.extract.get("reuse_from", []), *earlier],
                                "mlflow_experiment": config.extract.get("mlflow_experiment")})
     return run_extract(extract)
@@ -187,8 +181,8 @@ def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str
 
     from pipelines.train import TrainJobConfig, run_train
 
-    output = _join(config.work, "drafts", f"rows-{rows}")
-    summary = _join(output, "summary.json")
+    output = join(config.work, "drafts", f"rows-{rows}")
+    summary = join(output, "summary.json")
     fs, path = fsspec.core.url_to_fs(summary)
     if fs.exists(path):
         with fs.open(path, "r") as f:
@@ -219,20 +213,45 @@ def _plot_scaling(points: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], target, tokenizer, prompts) -> dict:
+def _evaluate_drafts(config: RetrainConfig, sources: dict, prompts, tracking_uri: str) -> dict:
+    """{name: evaluate_draft(...)} for drafts named by registry URIs, sharing one target load (one machine, so
+    the comparison is fair)."""
     from eagle_core.checkpoint import load_draft
+    from eagle_core.target import default_device, load_target
 
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the driver's store: the registry URIs resolve through it
+    target, tokenizer = load_target(config.target, device=default_device())
+    return {name: evaluate_draft(target, tokenizer, load_draft(resolve_source(source), target=target), prompts, config)
+            for name, source in sources.items()}
+
+
+def evaluate_on_worker(config: RetrainConfig, sources: dict, prompts) -> dict:
+    """`_evaluate_drafts` as a Ray task with the target's resources (on a GPU node where the cluster has GPUs)."""
+    import ray
+
+    from pipelines import tracking
+
+    gpus = config.eval_gpus
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    task = ray.remote(num_cpus=config.eval_cpus, num_gpus=gpus)(_evaluate_drafts)
+    return ray.get(task.remote(config, sources, prompts, tracking.tracking_uri()))
+
+
+def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], prompts) -> dict:
     manifest = _extract_scale(config, rows, earlier)
-    features = _join(config.work, "features", f"rows-{rows}")
+    features = join(config.work, "features", f"rows-{rows}")
     earlier.append(features)
     champion = alias_version(config.registered_model, CHAMPION)
-    champion_dir = download_version(config.registered_model, champion.version) if champion else None
-    trained = _train_scale(config, rows, features, champion_dir if config.warm_start else None)
+    # the champion by its registry URI: train workers on any node fetch it through the tracking server
+    champion_uri = f"models:/{config.registered_model}/{champion.version}" if champion else None
+    trained = _train_scale(config, rows, features, champion_uri if config.warm_start else None)
     version = trained["model_version"]
-    new = evaluate_draft(target, tokenizer, load_draft(trained["draft"], target=target), prompts, config)
-    champion_eval = None
+    sources = {"new": f"models:/{config.registered_model}/{version}"}
     if champion is not None and str(champion.version) != str(version):  # a rerun re-evaluates the champion alone
-        champion_eval = evaluate_draft(target, tokenizer, load_draft(champion_dir, target=target), prompts, config)
+        sources["champion"] = champion_uri
+    evals = evaluate_on_worker(config, sources, prompts)
+    new, champion_eval = evals["new"], evals.get("champion")
     promoted = promote(config.registered_model, version, new["tau"],
                        champion_eval["tau"] if champion_eval else None, config.margin)
     return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
@@ -255,12 +274,10 @@ def run_retrain(config: RetrainConfig) -> dict:
     """
     import tempfile
 
-    from eagle_core.target import load_target
     from pipelines import tracking
 
     corpus_rows = config.corpus_rows or (count_corpus_rows(config.corpus) if any(s <= 1 for s in config.scales) else 0)
     scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
-    target, tokenizer = load_target(config.target)
     prompts = load_eval_prompts(config.eval_prompts, config.eval_count)
     client = _client()
     experiment_id = tracking.ensure_experiment(config.mlflow_experiment)
@@ -272,7 +289,7 @@ def run_retrain(config: RetrainConfig) -> dict:
     for rows in scales:
         child = client.create_run(experiment_id, run_name=f"scale-{rows}",
                                   tags={"mlflow.parentRunId": parent}).info.run_id
-        result = _scale_step(config, rows, earlier, target, tokenizer, prompts)
+        result = _scale_step(config, rows, earlier, prompts)
         result["child_run_id"] = child
         for key in ("rows", "version", "reused_shards", "train_run_id", "features", "draft"):
             client.log_param(child, key, result[key])

@@ -12,9 +12,8 @@ from pathlib import Path
 
 
 def work_dir() -> Path:
-    path = Path(os.environ.get("EAGLE3_WORK", "work")).resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The project's work folder (not created here: only a run that uses the default store writes to it)."""
+    return Path(os.environ.get("EAGLE3_WORK", "work")).resolve()
 
 
 def default_tracking_uri() -> str:
@@ -22,13 +21,31 @@ def default_tracking_uri() -> str:
 
 
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    work_dir().mkdir(parents=True, exist_ok=True)  # SQLite creates the file, not its folder
+    return default_tracking_uri()
 
 
 def uses_default_store() -> bool:
     """True when runs go to our local SQLite store (`mlflow.set_tracking_uri` exports the variable itself,
     so its mere presence does not mean the user chose a server)."""
     return os.environ.get("MLFLOW_TRACKING_URI") in (None, "", default_tracking_uri())
+
+
+def is_node_local(uri: str) -> bool:
+    """A store only this node can open: a SQLite file or a folder (not an `mlflow server`, not Databricks)."""
+    return uri.split(":", 1)[0] in ("sqlite", "file") or "://" not in uri and ":" not in uri
+
+
+def require_shared_store(nodes: int) -> None:
+    """Refuse to start a multi-node run whose workers would log to a store on the driver's disk."""
+    if nodes > 1 and is_node_local(tracking_uri()):
+        raise RuntimeError(
+            f"the MLflow store {tracking_uri()} is on this node's disk, but the Ray cluster has {nodes} nodes: "
+            "workers on other nodes cannot log to it. Start a tracking server every node reaches (e.g. "
+            "`mlflow server --backend-store-uri postgresql://... --artifacts-destination s3://bucket/mlflow`) and "
+            "set MLFLOW_TRACKING_URI to it, or turn tracking off (--mlflow-experiment '')")
 
 
 def configure():

@@ -35,12 +35,14 @@ def tiny_target():
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """One embedded local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md)."""
+def ray_cluster(tmp_path_factory, s3_endpoint):
+    """One embedded local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md). Its
+    workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs."""
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+             _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **s3_endpoint}})
     yield ray
     ray.shutdown()
 
@@ -58,3 +60,30 @@ def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
     model.save_pretrained(folder)
     smollm2_tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 HTTP endpoint on 127.0.0.1 (moto's threaded server) with bucket `eagle3`; returns the environment
+    (endpoint, dummy credentials) that s3fs, pyarrow and MLflow read. It is exported into this process too."""
+    from moto.server import ThreadedMotoServer
+
+    from process_helpers import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+
+    fsspec.filesystem("s3").mkdir("eagle3")
+    yield env
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

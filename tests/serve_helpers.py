@@ -14,11 +14,11 @@ import contextlib
 import json
 import os
 import re
-import socket
 import time
 from dataclasses import dataclass
 
 import httpx
+from process_helpers import free_port  # noqa: F401 (re-exported for the serve tests)
 
 API_KEY = "test-token-123"
 MODEL = "tiny-eagle3"
@@ -40,12 +40,6 @@ class Live:
     def async_client(self, timeout: float = 120.0) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"},
                                  timeout=timeout, limits=httpx.Limits(max_connections=100))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from eagle_core.chat import tokenize_conversation
 from eagle_core.target import capture_features, load_target
 from pipelines.extract import ExtractConfig, run_extract, stream_features
 from pipelines.feature_files import committed_shards, decode_hidden, load_manifest, read_features
+from process_helpers import free_port, kill_session
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,25 +105,6 @@ def test_streaming_yields_the_written_features(ray_cluster, tmp_path, tiny_targe
         assert a["aux_hidden"] == b["aux_hidden"] and list(a["loss_mask"]) == list(b["loss_mask"])
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of session `sid` (never `ray stop`: that would stop other clusters too)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
 def _extract_cmd(config: ExtractConfig) -> list[str]:
     return [sys.executable, str(REPO / "jobs" / "extract.py"), "--corpus", config.corpus, "--output", config.output,
             "--target", config.target, "--max-new-tokens", str(config.max_new_tokens), "--rows-per-shard", "1",
@@ -130,12 +112,18 @@ def _extract_cmd(config: ExtractConfig) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_job_resumes_exactly_once(ray_cluster, tmp_path, tiny_target_dir):
-    """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run."""
+def test_killed_job_resumes_exactly_once(ray_cluster, s3_endpoint, tmp_path, tiny_target_dir):
+    """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run. The
+    killed job writes to S3 (moto on 127.0.0.1), where a commit is one PUT; the reference to a local folder."""
+    import uuid
+
+    import fsspec
+
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     # One conversation per shard, with replies long enough that the kill lands mid-run.
-    killed = base_config(tmp_path / "a", tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
+    killed = base_config(tmp_path / "a", tiny_target_dir, max_new_tokens=32, rows_per_shard=1,
+                         output=f"s3://eagle3/extract-killed-{uuid.uuid4().hex[:8]}")
     clean = base_config(tmp_path / "b", tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
     for c in (killed, clean):
         write_corpus(Path(c.corpus), n=8)
@@ -159,7 +147,7 @@ def test_killed_job_resumes_exactly_once(ray_cluster, tmp_path, tiny_target_dir)
     for a, b in zip(resumed, reference):
         assert a == b
     assert committed_shards(killed.output) == committed_shards(clean.output)
-    assert not list((tmp_path / "a" / "out" / "features").glob("*.tmp-*"))
+    assert not [p for p in fsspec.filesystem("s3").find(killed.output) if ".tmp" in p]
 
 
 @pytest.mark.slow
@@ -213,3 +201,40 @@ def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
             pass
         kill_session(head.pid)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_regeneration_through_our_openai_server_equals_in_actor_greedy(ray_cluster, tmp_path, tiny_target_dir):
+    """`--regenerate-with openai:URL` (the project's Serve app, fp32, plain decoding) writes the same regenerated
+    conversations and the same features as the target in the extraction actor (fp32, one prompt per call)."""
+    from pipelines.serve.app import build_app
+    from serve_helpers import run_app
+
+    app = build_app(dict(target=str(tiny_target_dir), model_name="tiny-regen", dtype="float32", max_batch_size=8,
+                         max_waiting=64, max_context=256, max_tokens_limit=64, torch_threads=1, num_cpus=0.5,
+                         num_gpus=0))
+    url = run_app(app, "regen-server", "/regen")
+    common = dict(dtype="float32", regen_batch_size=1, max_new_tokens=8)
+    for name in ("hf", "server"):
+        (tmp_path / name).mkdir()
+    local = run_extract(base_config(tmp_path / "hf", tiny_target_dir, **common))
+    served = run_extract(base_config(tmp_path / "server", tiny_target_dir, regenerate_with=f"openai:{url}", **common))
+    assert served.regeneration["with"].startswith("openai:") and local.regeneration["with"] == "hf"
+
+    def regenerated(output):
+        lines = [json.loads(line) for f in sorted(Path(output, "regenerated").glob("*.jsonl"))
+                 for line in f.read_text().splitlines() if line]
+        return sorted(lines, key=lambda r: r["id"])
+
+    expected = regenerated(tmp_path / "hf" / "out")
+    assert any(r.get("messages") for r in expected)
+    assert regenerated(tmp_path / "server" / "out") == expected
+    assert [r["input_ids"] for r in read_rows(tmp_path / "server" / "out")] == \
+        [r["input_ids"] for r in read_rows(tmp_path / "hf" / "out")]
+
+
+def test_regenerate_with_must_name_hf_or_an_openai_server(tmp_path, tiny_target_dir):
+    with pytest.raises(ValueError, match="openai:http"):
+        base_config(tmp_path, tiny_target_dir, regenerate_with="vllm")
+    with pytest.raises(ValueError, match="openai:http"):
+        base_config(tmp_path, tiny_target_dir, regenerate_with="openai:127.0.0.1:8000")

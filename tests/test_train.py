@@ -88,7 +88,10 @@ def history(run_id: str, key: str) -> list[float]:
 
 
 def weights(summary: dict) -> dict:
-    return load_file(str(Path(summary["draft"]) / "model.safetensors"))
+    """The exported draft's tensors, wherever the run wrote it (a local folder or an object-store URL)."""
+    from eagle_core.target import local_folder
+
+    return load_file(str(local_folder(summary["draft"]) / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +145,17 @@ def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_pa
         assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
 
 
-def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path, monkeypatch):
-    """SIGKILL the worker after step 4 (its last checkpoint is step 3), then rerun the CLI with --resume."""
+def test_killed_run_resumes_to_the_clean_result(features, clean, s3_endpoint, tmp_path, monkeypatch):
+    """SIGKILL the worker after step 4 (its last checkpoint is step 3), then rerun the CLI with --resume. The run's
+    output (Ray Train's storage, checkpoints, the exported draft, summary.json) is on S3 (moto on 127.0.0.1)."""
+    import uuid
+
     from jobs.train import main
+    from pipelines.storage import read_bytes
     from pipelines.train.faults import FAULT_ENV
 
-    output = tmp_path / "killed"
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    output = f"s3://eagle3/train-killed-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv(FAULT_ENV, "4")  # test-only hook (pipelines/train/faults.py), not a job option
     with pytest.raises(Exception):  # the worker dies and max_failures=0: the run fails
         run_train(job(features, output))
@@ -157,8 +165,8 @@ def test_killed_run_resumes_to_the_clean_result(features, clean, tmp_path, monke
             "--eval-fraction", "0.2", "--checkpoint-every", "3", "--cpus-per-worker", "0.5",
             "--mlflow-experiment", "test-train", "--registered-model-name", "test-draft"]
     assert main(argv) == 0
-    resumed = json.loads((output / "summary.json").read_text())
-    assert resumed["restored_from"] == [3]
+    resumed = json.loads(read_bytes(f"{output}/summary.json"))
+    assert resumed["restored_from"] == [3] and resumed["checkpoint"].startswith(output)
     assert resumed["step"] == clean["step"]
     # Deterministic given the seed: the killed run's first steps, computed from scratch, match bit for bit,
     # and after resuming from its checkpoint the final draft equals the uninterrupted one exactly.

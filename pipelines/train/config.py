@@ -79,6 +79,3 @@ class TrainJobConfig:
         warmup = self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * total_steps)
         return config_from_fields(TrainConfig, self, warmup_steps=warmup, total_steps=total_steps)
 
-
-def join_url(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])

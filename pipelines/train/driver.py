@@ -21,7 +21,9 @@ from pathlib import Path
 
 import fsspec
 
-from pipelines.train.config import TrainJobConfig, join_url
+from pipelines.cluster import alive_nodes
+from pipelines.storage import arrow_filesystem, join, local_path, upload_folder, url_to_fs
+from pipelines.train.config import TrainJobConfig
 from pipelines.train.faults import fault_step_from_env
 from pipelines.train.lineage import Lineage
 from pipelines.train.model import count_trainable, target_config, vocab_from_counts
@@ -56,7 +58,7 @@ def _stream_data(config: TrainJobConfig) -> tuple[dict, TrainPlan, dict, Lineage
     if dtype == "auto":
         dtype = DTYPE_NAMES[resolve_dtype("auto", "cuda" if config.use_gpu else "cpu")]
     extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "dtype": dtype,
-                               "output": join_url(config.output, "stream"), "mlflow_experiment": None})
+                               "output": join(config.output, "stream"), "mlflow_experiment": None})
     first = stream_first_pass(config, extract)
     steps = max(first["train_tokens"] // config.tokens_per_batch, 1)
     plan = TrainPlan(mode="stream", steps_per_epoch=[steps] * config.epochs, eval_ids=first["eval_ids"],
@@ -83,11 +85,11 @@ def prepare_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, d
 
 
 def _run_state_file(config: TrainJobConfig) -> str:
-    return join_url(config.output, "train_run.json")
+    return join(config.output, "train_run.json")
 
 
 def _previous_run(config: TrainJobConfig) -> dict | None:
-    fs, path = fsspec.core.url_to_fs(_run_state_file(config))
+    fs, path = url_to_fs(_run_state_file(config))
     if not fs.exists(path):
         return None
     with fs.open(path, "rt") as f:
@@ -95,7 +97,7 @@ def _previous_run(config: TrainJobConfig) -> dict | None:
 
 
 def _write_run_state(config: TrainJobConfig, info: dict) -> None:
-    fs, path = fsspec.core.url_to_fs(_run_state_file(config))
+    fs, path = url_to_fs(_run_state_file(config))
     fs.makedirs(os.path.dirname(path), exist_ok=True)
     with fs.open(path, "wt") as f:
         json.dump(info, f, indent=1)
@@ -104,7 +106,7 @@ def _write_run_state(config: TrainJobConfig, info: dict) -> None:
 def storage_path(config: TrainJobConfig) -> str:
     """Ray Train's storage: `<output>/ray` (set explicitly: the default is ~/ray_results)."""
     out = config.output if "://" in config.output else str(Path(config.output).resolve())
-    return join_url(out, "ray")
+    return join(out, "ray")
 
 
 def _mlflow_params(config: TrainJobConfig, plan: TrainPlan, lineage: Lineage, world: int, n_trainable: int) -> dict:
@@ -136,13 +138,14 @@ def _trainer(config: TrainJobConfig, loop_config: dict, data: dict):
 
     planned = {name: shares for name, shares in data.items() if isinstance(shares, list)}
     datasets = {name: shares[0] if isinstance(shares, list) else shares for name, shares in data.items()}
+    filesystem, storage = arrow_filesystem(storage_path(config))
     resources = {"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})}
     return TorchTrainer(
         train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                      resources_per_worker=resources),
-        run_config=RunConfig(name=config.name, storage_path=storage_path(config),
+        run_config=RunConfig(name=config.name, storage_path=storage, storage_filesystem=filesystem,
                              checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=config.max_failures)),
         datasets=datasets,
@@ -160,6 +163,8 @@ def run_train(config: TrainJobConfig) -> dict:
     if previous and not config.resume:
         raise FileExistsError(f"{config.output} already holds a training run ({previous.get('name')}); pass "
                               "--resume to continue it, or choose another --output")
+    if config.mlflow_experiment:
+        tracking.require_shared_store(alive_nodes())
     meta, plan, data, lineage = prepare_data(config, world)
     tconfig = target_config(meta["target"])
     d2t, _ = vocab_from_counts(meta.pop("token_counts"), tconfig.vocab_size, config.draft_vocab_size)
@@ -170,14 +175,14 @@ def run_train(config: TrainJobConfig) -> dict:
     lineage.train_mlflow_run_id = run_id
     loop_config = {"job": config.to_dict(), "meta": meta, "plan": plan.to_json(), "d2t": d2t.tolist(),
                    "target": meta["target"], "lineage": lineage.to_json(), "mlflow_run_id": run_id,
-                   "tracking_uri": tracking.tracking_uri() if run_id else None,
-                   "storage_dir": join_url(storage_path(config), config.name),
+                   "tracking_uri": tracking.tracking_uri(),  # warm starts from models:/ URIs need it too
+                   "storage_dir": join(storage_path(config), config.name),
                    "fault_at_step": fault_step_from_env()}  # tests only (faults.py)
     result = _trainer(config, loop_config, data).fit()
     summary = finish_run(config, result, run_id, meta["target"])
     summary.update(seconds=time.perf_counter() - started, total_steps=plan.total_steps, train_rows=plan.train_rows,
                    eval_rows=plan.eval_rows, mlflow_run_id=run_id, lineage=lineage.to_json(), world_size=world)
-    with fsspec.open(join_url(config.output, "summary.json"), "wt") as f:
+    with fsspec.open(join(config.output, "summary.json"), "wt") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary
 
@@ -188,7 +193,7 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
     a version."""
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint: {result.error}")
-    local = _local_path(config.output)
+    local = local_path(config.output)
     with tempfile.TemporaryDirectory() as staging, result.checkpoint.as_directory() as ckpt:
         root = Path(local) if local is not None else Path(staging)
         draft_dir, spec_dir = root / "draft", root / "draft-speculators"
@@ -196,15 +201,20 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
         export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target)
         if local is None:
             for folder in (draft_dir, spec_dir):
-                upload_folder(folder, join_url(config.output, folder.name))
+                upload_folder(folder, join(config.output, folder.name))
         draft_url, spec_url = ((str(draft_dir), str(spec_dir)) if local is not None else
-                               (join_url(config.output, "draft"), join_url(config.output, "draft-speculators")))
+                               (join(config.output, "draft"), join(config.output, "draft-speculators")))
         summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
-                   "checkpoint": result.checkpoint.path, "draft": draft_url, "draft_speculators": spec_url,
+                   "checkpoint": _checkpoint_url(config, result.checkpoint.path), "draft": draft_url, "draft_speculators": spec_url,
                    "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
         if run_id:
             summary.update(_log_and_register(config, run_id, draft_dir, spec_dir, state["step"]))
     return summary
+
+
+def _checkpoint_url(config: TrainJobConfig, path: str) -> str:
+    """Ray Train reports the checkpoint's path on its storage filesystem: a URL again for an object store."""
+    return path if local_path(config.output) is not None else url_to_fs(config.output)[0].unstrip_protocol(path)
 
 
 def _log_and_register(config: TrainJobConfig, run_id: str, draft_dir: Path, spec_dir: Path, step: int) -> dict:
@@ -222,25 +232,6 @@ def _log_and_register(config: TrainJobConfig, run_id: str, draft_dir: Path, spec
             version = tracking.register_artifact(run_id, "draft", config.registered_model_name, CANDIDATE_ALIAS)
             return {"registered_model": config.registered_model_name, "model_version": version}
     return {}
-
-
-def _local_path(url: str) -> str | None:
-    """The local path of a local or file:// URL; None for any other fsspec URL (an object store)."""
-    if "://" in url and not url.startswith("file://"):
-        return None
-    return url.removeprefix("file://")
-
-
-def upload_folder(folder: Path, url: str) -> None:
-    """Copy a local folder to `url` (replacing what is there), file by file: no reliance on a directory rename."""
-    fs, root = fsspec.core.url_to_fs(url)
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            dest = f"{root}/{path.relative_to(folder).as_posix()}"
-            fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(path), dest)
 
 
 def export_draft(checkpoint_draft: Path, draft_dir: Path, spec_dir: Path, target: str) -> None:

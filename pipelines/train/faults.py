@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
+
+from pipelines.storage import commit_bytes, exists, join
 
 FAULT_ENV = "EAGLE3_TRAIN_FAULT_AT_STEP"
 
@@ -26,10 +27,9 @@ def maybe_fault(at_step: int | None, step: int, rank: int, storage_dir: str) -> 
     """SIGKILL this process if it is rank 0 right after `at_step`, once per storage folder."""
     if at_step is None or rank != 0 or step != at_step:
         return
-    marker = Path(storage_dir) / "fault_injected"
-    if marker.exists():
+    marker = join(storage_dir, "fault_injected")
+    if exists(marker):
         return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(str(step))
+    commit_bytes(marker, str(step).encode())
     time.sleep(2.0)  # let the controller register the checkpoint reported just before
     os.kill(os.getpid(), signal.SIGKILL)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
-from pipelines.train.config import join_url
+from pipelines.storage import join
 
 
 @dataclass
@@ -45,5 +45,5 @@ class Lineage:
 
 
 def manifest_digest(features: str) -> str:
-    with fsspec.open(join_url(features, "manifest.json"), "rb") as f:
+    with fsspec.open(join(features, "manifest.json"), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()

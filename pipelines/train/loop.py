@@ -7,6 +7,7 @@ global batch: 1 worker and W workers follow the same trajectory, up to float rou
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ def setup(loop_config: dict) -> Run:
     d2t = torch.tensor(loop_config["d2t"])
     t2d = torch.zeros(meta["target_vocab_size"], dtype=torch.bool)
     t2d[torch.arange(len(d2t)) + d2t] = True
+    os.environ["MLFLOW_TRACKING_URI"] = loop_config["tracking_uri"]  # the driver's store, for models:/ warm starts
     draft = build_draft(config, target_config(loop_config["target"]), heads, d2t, t2d,
                         Lineage.from_json(loop_config["lineage"]))
     state = initial_state()

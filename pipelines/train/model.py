@@ -89,20 +89,22 @@ def build_draft(config: TrainJobConfig, tconfig, heads: dict, d2t, t2d, lineage:
 
 
 @torch.no_grad()
-def warm_start(draft, folder: str) -> list[str]:
-    """Seed `draft` with an earlier draft's weights: every tensor of the same shape, and the lm_head rows of the
-    target tokens both draft vocabularies hold (the vocab moves as the corpus grows). Returns what was copied;
-    nothing when the aux layers or the target differ (different features: a fresh start is the honest one)."""
+def warm_start(draft, source: str) -> list[str]:
+    """Seed `draft` with an earlier draft's weights (`source`: a folder, any fsspec URL or a `models:/` URI):
+    every tensor of the same shape, and the lm_head rows of the target tokens both draft vocabularies hold (the
+    vocab moves as the corpus grows). Returns what was copied; nothing when the aux layers or the target differ
+    (different features: a fresh start is the honest one)."""
     from eagle_core.checkpoint import load_draft
+    from pipelines.storage import resolve_source
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its shared target embeddings are not needed here
-        old = load_draft(folder, device=draft.fc.weight.device)
+        old = load_draft(resolve_source(source), device=draft.fc.weight.device)
     same_features = (list(old.config.aux_layer_ids) == list(draft.config.aux_layer_ids)
                      and old.config.target_hidden_size == draft.config.target_hidden_size
                      and old.config.target_vocab_size == draft.config.target_vocab_size)
     if not same_features:
-        print(f"[train] not warm-starting from {folder}: it was trained on other target features", flush=True)
+        print(f"[train] not warm-starting from {source}: it was trained on other target features", flush=True)
         return []
     ours, copied = draft.state_dict(), []
     for name, tensor in old.state_dict().items():

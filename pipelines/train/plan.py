@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 import fsspec
 import pyarrow.parquet as pq
 
-from pipelines.train.config import TrainJobConfig, join_url
+from pipelines.storage import join
+from pipelines.train.config import TrainJobConfig
 
 
 MODES = ("files", "stream")
@@ -59,7 +60,7 @@ def id_hash(conversation_id: str) -> str:
 
 def scan_features(features: str) -> list[dict]:
     """One light record per feature row: {id, file, row, length} (reads the id and input_ids columns only)."""
-    fs, path = fsspec.core.url_to_fs(join_url(features, "features"))
+    fs, path = fsspec.core.url_to_fs(join(features, "features"))
     files = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".parquet"))
     rows = []
     for f in files:

@@ -1,0 +1,140 @@
+"""The whole pipeline on a two-node Ray cluster with every path on S3 and MLflow behind a tracking server.
+
+Real components on this machine: a Ray head and a Ray worker node (separate raylets, each with its own model
+cache, as two hosts would have), moto's S3 HTTP server on 127.0.0.1, and `mlflow server` on 127.0.0.1 whose
+artifacts go to S3. The jobs run as a user runs them (their CLIs, `RAY_ADDRESS` set) from an empty working
+directory: ingest -> extract with regeneration -> train (two workers) -> retrain a second scale warm-starting
+from the champion -> serve `models:/...@champion` -> one answered request.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from pipelines.storage import upload_folder
+from process_helpers import free_port, kill_session, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2)
+        return True
+    except Exception:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    kill_session(process.pid)
+
+
+def write_inputs(tmp: Path) -> None:
+    fs = fsspec.filesystem("s3")
+    rows = [json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question {i}: what is {i} plus {i + 1}?"},
+        {"from": "gpt", "value": f"{i} plus {i + 1} is {2 * i + 1}."}]}) for i in range(16)]
+    fs.pipe_file("eagle3/data/corpus.jsonl", ("\n".join(rows) + "\n").encode())
+    prompts = [json.dumps({"prompt": p}) for p in ("Hello there", "What is 2 plus 3?")]
+    fs.pipe_file("eagle3/data/prompts.jsonl", ("\n".join(prompts) + "\n").encode())
+
+
+@pytest.mark.slow
+def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_target_dir, tmp_path):
+    upload_folder(tiny_target_dir, "s3://eagle3/models/tiny")
+    write_inputs(tmp_path)
+    bin_dir = Path(sys.executable).parent
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "EAGLE3_"))}
+    base_env.update(s3_endpoint, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+                    MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=str(REPO))
+    mlflow_port, ray_port = free_port(), free_port()
+    tracking_uri = f"http://127.0.0.1:{mlflow_port}"
+    caches = {node: tmp_path / f"cache-{node}" for node in ("head", "worker")}
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    processes = []
+
+    def start(cmd, env):
+        processes.append(subprocess.Popen(cmd, env=env, cwd=workdir, start_new_session=True,
+                                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{len(processes)}.log", "w")))
+
+    try:
+        start([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+               "--artifacts-destination", "s3://eagle3/mlflow"], base_env)
+        node_env = {**base_env, "MLFLOW_TRACKING_URI": tracking_uri}
+        start([str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
+               "--num-cpus=3", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
+               f"--dashboard-agent-listen-port={free_port()}"], {**node_env, "EAGLE3_CACHE": str(caches["head"])})
+        wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
+        time.sleep(5)
+        start([str(bin_dir / "ray"), "start", "--block", f"--address=127.0.0.1:{ray_port}",
+               "--node-ip-address=127.0.0.1", "--num-cpus=3", f"--dashboard-agent-listen-port={free_port()}"],
+              {**node_env, "EAGLE3_CACHE": str(caches["worker"])})
+        driver_env = {**node_env, "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "EAGLE3_CACHE": str(caches["head"])}
+        nodes = "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"
+        wait_until(lambda: subprocess.run([sys.executable, "-c", nodes], env=driver_env, capture_output=True,
+                                          text=True).stdout.strip().endswith("2"), "the worker node")
+
+        # Each actor and each training worker needs 2 of a node's 3 CPUs: one per node.
+        extract = {"regenerate": True, "num_workers": 2, "cpus_per_worker": 2, "rows_per_shard": 4,
+                   "max_length": 64, "max_new_tokens": 8}
+        train = {"num_workers": 2, "cpus_per_worker": 2, "epochs": 1, "tokens_per_batch": 256, "ttt_steps": 2,
+                 "draft_vocab_size": 128, "eval_fraction": 0.25, "checkpoint_every": 100, "log_every": 100,
+                 "mlflow_experiment": "two-node-train"}
+        retrain = subprocess.run(
+            [sys.executable, "-m", "jobs.retrain", "--corpus", "s3://eagle3/data/corpus.jsonl", "--scales", "8,16",
+             "--work", "s3://eagle3/retrain", "--target", "s3://eagle3/models/tiny", "--registered-model", "two-node",
+             "--eval-prompts", "s3://eagle3/data/prompts.jsonl", "--eval-count", "2", "--eval-max-new-tokens", "6",
+             "--margin", "-100", "--extract", json.dumps(extract), "--train", json.dumps(train),
+             "--mlflow-experiment", "two-node"],
+            env=driver_env, cwd=workdir, capture_output=True, text=True, timeout=900)
+        assert retrain.returncode == 0, retrain.stdout[-4000:] + retrain.stderr[-6000:]
+        result = json.loads(retrain.stdout[retrain.stdout.index("{\n"):])
+        first, second = result["scales"]
+        assert (first["rows"], second["rows"]) == (8, 16) and first["promoted"] and second["promoted"]
+        assert second["reused_shards"] == 2 and second["champion_version"] == first["version"]
+
+        s3 = fsspec.filesystem("s3")
+        for rows in (8, 16):
+            features = f"eagle3/retrain/features/rows-{rows}"
+            assert len(s3.ls(f"{features}/features")) == rows // 4
+            assert len(s3.ls(f"{features}/regenerated")) == rows // 4
+            assert s3.exists(f"eagle3/retrain/drafts/rows-{rows}/draft/model.safetensors")
+        assert s3.find("eagle3/mlflow")  # artifacts went through the tracking server to S3
+        # The target was fetched into both nodes' caches: actors and training workers ran on both.
+        for node, cache in caches.items():
+            assert list((cache / "remote").glob("tiny-*/config.json")), node
+
+        port = free_port()
+        start([sys.executable, "-m", "jobs.serve", "--target", "s3://eagle3/models/tiny", "--draft",
+               "models:/two-node@champion", "--port", str(port), "--name", "two-node"], driver_env)
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/v1/models"), "the Serve app", timeout=300)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", headers={"content-type": "application/json"},
+            data=json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode())
+        reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+        assert reply["usage"]["completion_tokens"] >= 1 and reply["choices"][0]["finish_reason"] in ("length", "stop")
+
+        # Nothing was written to the working directory: every output went to S3 (or a cache, or Ray's temp).
+        assert sorted(p.name for p in workdir.iterdir()) == []
+    finally:
+        for process in reversed(processes):
+            stop(process)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
