@@ -231,15 +231,22 @@ def load_target(
     name_or_path: str | os.PathLike = SMOLLM2_NAME,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = "auto",
+    device_map: str | dict | None = None,
 ):
-    """Return `(model, tokenizer)` in eval mode on `device` with `dtype` ("auto": bf16 where native, else fp32)."""
+    """Return `(model, tokenizer)` in eval mode on `device` with `dtype` ("auto": bf16 where native, else fp32).
+
+    `device_map` ("auto", or accelerate's dict) places one copy over every visible GPU instead, for a target
+    larger than one GPU; `record_hidden_states` gathers its layers' outputs on the embedding's device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
     folder = materialize_hf_folder(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device))
-    model.to(device).eval()
+    if device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device), device_map=device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device)).to(device)
+    model.eval()
     model.requires_grad_(False)
     return model, tokenizer
 
@@ -323,10 +330,11 @@ def record_hidden_states(model: nn.Module, aux_layer_ids: list[int]):
             raise ValueError(f"aux layer id {j} out of range for a {n}-layer target (valid: 0..{n - 1})")
     record: dict = {"aux": [None] * len(aux_layer_ids), "last": None}
     handles = []
+    home = decoder.embed_tokens.weight.device  # a target split over devices (device_map) is gathered here
 
     def keep(slot):
         def hook(_module, _inputs, output):
-            record["aux"][slot] = _first(output)
+            record["aux"][slot] = _first(output).to(home)
         return hook
 
     for slot, j in enumerate(aux_layer_ids):
@@ -334,7 +342,7 @@ def record_hidden_states(model: nn.Module, aux_layer_ids: list[int]):
         handles.append(module.register_forward_hook(keep(slot)))
 
     def keep_last(_module, _inputs, output):
-        record["last"] = _first(output)
+        record["last"] = _first(output).to(home)
 
     handles.append(decoder.norm.register_forward_hook(keep_last))
     try:

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="regeneration seed")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="actors per stage (one target each)")
     p.add_argument("--gpus-per-worker", type=float, default=d.gpus_per_worker,
-                   help="GPUs per actor (default: 1 when the cluster has GPUs, else 0)")
+                   help="GPUs per actor, i.e. per target copy (default: 1 when the cluster has GPUs, else 0; "
+                        "more than 1: the copy is spread over them with device_map)")
     p.add_argument("--cpus-per-worker", type=float, default=d.cpus_per_worker, help="CPUs per actor")
     p.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
                    help="padded tokens per target forward (rows are batched by similar length)")

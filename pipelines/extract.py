@@ -53,7 +53,7 @@ class ExtractConfig:
     aux_layer_ids: list[int] | None = None
     dtype: str = "auto"
     num_workers: int = 1
-    gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0; > 1: device_map over them
     cpus_per_worker: float = 1.0
     tokens_per_batch: int = 8192
     rows_per_shard: int = 64
@@ -123,7 +123,10 @@ class Extractor:
 
         self.config = ExtractConfig(**config)
         self.write = write
-        self.model, self.tokenizer = load_target(self.config.target, device=default_device(), dtype=self.config.dtype)
+        # An actor given several GPUs holds one target copy spread over them (a target larger than one GPU).
+        device_map = "auto" if (self.config.gpus_per_worker or 0) > 1 else None
+        self.model, self.tokenizer = load_target(self.config.target, device=default_device(), dtype=self.config.dtype,
+                                                 device_map=device_map)
         self.aux_layer_ids = resolve_aux_layer_ids(self.config.aux_layer_ids, self.model.config.num_hidden_layers)
 
     def _regenerated(self, shard: str, rows_json: str) -> tuple[list[dict], dict]:

@@ -144,3 +144,13 @@ def test_stale_temporary_folder_of_a_killed_conversion_is_removed(tmp_path, monk
     assert materialize_hf_folder("smollm2-135m") == out
     assert (out / "model.safetensors").is_file()
     assert not stale.exists()
+
+
+def test_device_mapped_target_captures_the_same_features(tiny_target_dir):
+    """A target placed with device_map (several GPUs per copy on clusters; accelerate's placement on this CPU)
+    gives the features of the plainly loaded one."""
+    plain, _ = load_target(str(tiny_target_dir), device="cpu", dtype=torch.float32)
+    mapped, _ = load_target(str(tiny_target_dir), device="cpu", dtype=torch.float32, device_map="auto")
+    ids = torch.randint(3, 500, (2, 9))
+    a, b = capture_features(plain, ids), capture_features(mapped, ids)
+    assert torch.equal(a.aux_hidden, b.aux_hidden) and torch.equal(a.last_hidden, b.last_hidden)
