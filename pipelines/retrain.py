@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
-from pipelines.storage import join, resolve_source
+from pipelines.storage import exists, join, read_bytes, resolve_source
 
 CHAMPION, CANDIDATE = "champion", "candidate"
 
@@ -177,16 +177,12 @@ def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
 
 def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str | None) -> dict:
     """Train the scale's draft, or return the summary of the one trained by an earlier invocation."""
-    import fsspec
-
     from pipelines.train import TrainJobConfig, run_train
 
     output = join(config.work, "drafts", f"rows-{rows}")
     summary = join(output, "summary.json")
-    fs, path = fsspec.core.url_to_fs(summary)
-    if fs.exists(path):
-        with fs.open(path, "r") as f:
-            return json.load(f)
+    if exists(summary):
+        return json.loads(read_bytes(summary))
     overrides = {**config.train, "features": features, "target": config.target, "output": output,
                  "registered_model_name": config.registered_model, "resume": True}
     if init_from:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import fsspec
 
+from eagle_core.target import is_remote
+
 # Object-store listings are never trusted across calls: other processes (actors on other nodes, training
 # workers) write the folders this process lists and reads, so a listing cached by s3fs (or metadata cached by
 # gcsfs) would hide their files. Defaults only: a user's own fsspec configuration wins.
@@ -37,20 +39,13 @@ def join(url: str, *parts: str) -> str:
 
 def local_path(url: str) -> str | None:
     """The local path of a local or file:// URL; None for any other fsspec URL (an object store, memory://)."""
-    url = str(url)
-    if "://" in url and not url.startswith("file://"):
-        return None
-    return url.removeprefix("file://")
-
-
-def is_local(url: str) -> bool:
-    return local_path(url) is not None
+    return None if is_remote(url) else str(url).removeprefix("file://")
 
 
 def commit_bytes(url: str, data: bytes) -> None:
     """Write a whole file; a reader (or a rerun) never sees half of it."""
     fs, path = url_to_fs(url)
-    if not is_local(url):
+    if is_remote(url):
         fs.pipe_file(path, data)  # one PUT: atomic on object stores
         return
     fs.makedirs(os.path.dirname(path), exist_ok=True)
