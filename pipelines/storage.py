@@ -98,13 +98,36 @@ def is_registry_uri(source: str) -> bool:
 
 def resolve_source(source: str) -> str:
     """`models:/<name>@<alias>` (or `/<version>`) -> a local folder downloaded through the tracking server (on
-    whichever node asks); anything else (a path, a URL, a target name, a hub id) is returned unchanged."""
+    whichever node asks) into the node's cache, once per registered version (versions are immutable; an alias is
+    looked up on every call); anything else (a path, a URL, a target name, a hub id) is returned unchanged."""
     if not is_registry_uri(source):
         return str(source)
+    import hashlib
+
+    from eagle_core.target import cache_dir, cached_folder
     from pipelines import tracking
 
     mlflow = tracking.configure()
-    return str(_model_folder(Path(mlflow.artifacts.download_artifacts(artifact_uri=source))))
+    name, version = registry_version(source)
+    registry = hashlib.sha256(mlflow.get_tracking_uri().encode()).hexdigest()[:8]
+    out = cache_dir() / "registry" / f"{name.replace('/', '_')}-v{version}-{registry}"
+    cached_folder(out, lambda tmp: mlflow.artifacts.download_artifacts(
+        artifact_uri=f"{REGISTRY_PREFIX}{name}/{version}", dst_path=str(tmp)))
+    return str(_model_folder(out))
+
+
+def registry_version(source: str) -> tuple[str, str]:
+    """`models:/<name>@<alias>` or `models:/<name>/<version>` -> (name, version number)."""
+    from mlflow import MlflowClient
+
+    ref = source[len(REGISTRY_PREFIX):]
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        return name, str(MlflowClient().get_model_version_by_alias(name, alias).version)
+    name, _, version = ref.rpartition("/")
+    if not name or not version.isdigit():
+        raise ValueError(f"{source}: expected models:/<name>@<alias> or models:/<name>/<version>")
+    return name, version
 
 
 def _model_folder(root: Path) -> Path:

@@ -54,6 +54,16 @@ def write_inputs(tmp: Path) -> None:
     fs.pipe_file("eagle3/data/prompts.jsonl", ("\n".join(prompts) + "\n").encode())
 
 
+def local_writes(home: Path, tmpdir: Path) -> list[str]:
+    """Files under HOME and TMPDIR other than caches (~/.cache, matplotlib's font cache) and Ray's session files."""
+    allowed = (".cache/", ".config/matplotlib/")
+    left = [f"~/{p.relative_to(home)}" for p in home.rglob("*") if p.is_file()
+            and not str(p.relative_to(home)).startswith(allowed)]
+    left += [f"$TMPDIR/{p.relative_to(tmpdir)}" for p in tmpdir.rglob("*") if p.is_file()
+             and not p.relative_to(tmpdir).parts[0].startswith(("ray", "_ray"))]  # _ray_lockfiles: Ray's
+    return sorted(left)
+
+
 @pytest.mark.slow
 def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_target_dir, tmp_path):
     upload_folder(tiny_target_dir, "s3://eagle3/models/tiny")
@@ -62,6 +72,10 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "EAGLE3_"))}
     base_env.update(s3_endpoint, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
                     MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=str(REPO))
+    # Every process gets its own HOME and TMPDIR, so the end can list all it left on local disk.
+    home, tmpdir = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmpdir.mkdir()
+    base_env.update(HOME=str(home), TMPDIR=str(tmpdir))
     mlflow_port, ray_port = free_port(), free_port()
     tracking_uri = f"http://127.0.0.1:{mlflow_port}"
     caches = {node: tmp_path / f"cache-{node}" for node in ("head", "worker")}
@@ -77,7 +91,8 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
     try:
         start([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
                "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-               "--artifacts-destination", "s3://eagle3/mlflow"], base_env)
+               "--artifacts-destination", "s3://eagle3/mlflow"],
+              {**base_env, "TMPDIR": str(tmp_path)})  # the tracking server is a service of its own, not ours
         node_env = {**base_env, "MLFLOW_TRACKING_URI": tracking_uri}
         start([str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
                "--num-cpus=3", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
@@ -132,8 +147,11 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
         assert reply["usage"]["completion_tokens"] >= 1 and reply["choices"][0]["finish_reason"] in ("length", "stop")
 
-        # Nothing was written to the working directory: every output went to S3 (or a cache, or Ray's temp).
+        # Nothing was written to the working directory, and on local disk only to caches and Ray's temporary
+        # folder: every output went to S3.
         assert sorted(p.name for p in workdir.iterdir()) == []
+        left = local_writes(home, tmpdir)
+        assert left == [], "written outside caches and Ray's temporary files:\n" + "\n".join(left)
     finally:
         for process in reversed(processes):
             stop(process)

@@ -1,9 +1,11 @@
 """URLs end to end: commits on an object store, remote model folders fetched once per node, hub ids offline."""
 
+import json
 import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -93,3 +95,38 @@ def test_multi_node_run_refuses_a_node_local_mlflow_store(monkeypatch):
         tracking.require_shared_store(2)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     tracking.require_shared_store(2)
+
+
+def test_registry_drafts_are_cached_per_version_and_leave_no_temporary_files(tmp_path, monkeypatch):
+    """`models:/name@alias` resolves to a folder in the node's cache, downloaded once per registered version (a
+    replica or evaluation task re-resolving the champion reuses it; nothing is left in the temp dir), and a
+    moved alias resolves to the new version's files."""
+    import tempfile
+
+    from pipelines.retrain import register_draft_folder
+    from pipelines.storage import resolve_source
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("EAGLE3_WORK", str(tmp_path / "work"))
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    drafts = []
+    for n in range(2):
+        folder = tmp_path / f"draft{n}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"n": n}))
+        (folder / "model.safetensors").write_bytes(bytes([n]) * 8)
+        drafts.append(folder)
+    register_draft_folder(str(drafts[0]), "cached")
+    first = resolve_source("models:/cached@champion")
+    assert first.startswith(str(tmp_path / "cache" / "registry"))
+    assert json.loads((Path(first) / "config.json").read_text()) == {"n": 0}
+    assert resolve_source("models:/cached@champion") == first == resolve_source("models:/cached/1")
+    register_draft_folder(str(drafts[1]), "cached")  # version 2 becomes the champion
+    second = resolve_source("models:/cached@champion")
+    assert second != first and json.loads((Path(second) / "config.json").read_text()) == {"n": 1}
+    assert list((tmp_path / "tmp").iterdir()) == []
+    with pytest.raises(ValueError, match="expected models:/"):
+        resolve_source("models:/cached/latest")
