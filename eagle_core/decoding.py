@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, target_forward
+from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, lm_logits, target_forward
 from eagle_core.tree import Tree, TreeConfig, draft_tree
 from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
 
@@ -56,7 +56,7 @@ def prefill(target, kv: TargetKV, prompts: list[list[int]], aux_layer_ids: list[
     hidden, aux = target_forward(target, kv, ids, position_ids, causal_mask(valid), aux_layer_ids)
     kv.keep_new_(0, torch.arange(width, device=device).expand_as(ids), lengths)
     last = hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
-    return target.get_output_embeddings()(last), aux, ids, lengths
+    return lm_logits(target, last), aux, ids, lengths
 
 
 def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tensor, n_new: torch.Tensor):
@@ -99,7 +99,7 @@ def plain_step(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConf
     ones = torch.ones(b, 1, 1, dtype=torch.bool, device=token.device)
     hidden, aux = target_forward(target, kv, token[:, None], kv.lengths[:, None], ones, aux_layer_ids)
     kv.keep_new_(past_width, torch.zeros(b, 1, dtype=torch.long, device=token.device), torch.ones_like(token))
-    return sample_next(target.get_output_embeddings()(hidden[:, 0]), sampling, seeds, positions), aux
+    return sample_next(lm_logits(target, hidden[:, 0]), sampling, seeds, positions), aux
 
 
 @dataclass

@@ -65,6 +65,8 @@ def keep_new_(t: torch.Tensor, lengths: torch.Tensor, past_width: int, keep: tor
     deterministic; the i >= n_keep[b] writes land at or beyond the row's new length, i.e. in garbage.
     Only K entries per row are copied, never the whole cache.
     """
+    if keep.device != t.device:  # a target spread over several devices (device_map): each layer's own
+        keep, lengths, n_keep = keep.to(t.device), lengths.to(t.device), n_keep.to(t.device)
     b, h, _, d = t.shape
     k = keep.shape[1]
     src = t.gather(2, (past_width + keep)[:, None, :, None].expand(b, h, k, d))  # [B, heads, K, d]
@@ -100,8 +102,9 @@ class TargetKV:
         self.lengths = self.lengths[rows]
         width = int(self.lengths.max()) if rows.numel() else 0
         for layer in self.cache.layers:
-            layer.keys = layer.keys[rows, :, :width]
-            layer.values = layer.values[rows, :, :width]
+            at = rows.to(layer.keys.device)
+            layer.keys = layer.keys[at, :, :width]
+            layer.values = layer.values[at, :, :width]
 
     def merge_(self, other: "TargetKV") -> None:
         """Append `other`'s rows after this cache's rows (new sequences join the batch)."""
@@ -187,4 +190,9 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=bias, use_cache=True,
                       **{_cache_kwarg(decoder): kv.cache})
     aux = torch.cat(rec["aux"], dim=-1) if aux_layer_ids else None
-    return out.last_hidden_state, aux
+    return out.last_hidden_state.to(kv.lengths.device), aux  # a device-mapped target ends on its last device
+
+
+def lm_logits(target, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head on `hidden`, returned on hidden's device (a device-mapped head may live elsewhere)."""
+    return target.get_output_embeddings()(hidden).to(hidden.device)

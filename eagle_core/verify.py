@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_core.kv import TargetKV, target_forward
+from eagle_core.kv import TargetKV, lm_logits, target_forward
 from eagle_core.tree import Tree
 
 
@@ -123,7 +123,7 @@ def verify_tree(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | Non
     """
     position_ids = kv.lengths[:, None] + tree.depth  # [B, N]
     hidden, aux = target_forward(target, kv, tree.tokens, position_ids, tree.ancestors, aux_layer_ids)
-    return target.get_output_embeddings()(hidden), aux
+    return lm_logits(target, hidden), aux
 
 
 @dataclass

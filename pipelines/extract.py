@@ -119,20 +119,23 @@ class Extractor:
     the actor's model: no second pool of target copies idling while the other works."""
 
     def __init__(self, config: dict, write: bool = True):
-        from eagle_core.target import default_device, load_target, resolve_aux_layer_ids
+        from eagle_core.target import default_device, device_map_for, load_target, resolve_aux_layer_ids
+        from pipelines.regenerate import OpenAIReplies, parse_regenerate_with
 
         self.config = ExtractConfig(**config)
         self.write = write
         # An actor given several GPUs holds one target copy spread over them (a target larger than one GPU).
-        device_map = "auto" if (self.config.gpus_per_worker or 0) > 1 else None
+        device_map = device_map_for(self.config.gpus_per_worker or 0)
         self.model, self.tokenizer = load_target(self.config.target, device=default_device(), dtype=self.config.dtype,
                                                  device_map=device_map)
         self.aux_layer_ids = resolve_aux_layer_ids(self.config.aux_layer_ids, self.model.config.num_hidden_layers)
+        # One client (and connection pool) per actor when a serving engine regenerates.
+        server = parse_regenerate_with(self.config.regenerate_with)
+        self.replies = OpenAIReplies(server, self.config.max_new_tokens, self.config.temperature) if server else None
 
     def _regenerated(self, shard: str, rows_json: str) -> tuple[list[dict], dict]:
         """The shard's conversations with every assistant turn rewritten by the target (read back on reruns)."""
         from eagle_core.features import regenerate_conversations
-        from pipelines.regenerate import OpenAIReplies, parse_regenerate_with
 
         c = self.config
         cache = join(c.output, "regenerated", f"{shard}.jsonl")
@@ -141,12 +144,11 @@ class Extractor:
                 saved = [json.loads(line) for line in f]
             return [r for r in saved if "messages" in r], {r["id"]: r["reason"] for r in saved if "reason" in r}
         seed = c.seed + int(shard.split("-")[1])
-        conversations, server = json.loads(rows_json), parse_regenerate_with(c.regenerate_with)
-        replies = OpenAIReplies(server, c.max_new_tokens, c.temperature) if server else None
+        conversations = json.loads(rows_json)
         rows, quarantined = regenerate_conversations(
             self.model, self.tokenizer, conversations, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-            seed=seed, max_length=c.max_length, batch_size=len(conversations) if server else c.regen_batch_size,
-            replies=replies)
+            seed=seed, max_length=c.max_length, batch_size=len(conversations) if self.replies else c.regen_batch_size,
+            replies=self.replies)
         lines = [json.dumps(r, ensure_ascii=False) for r in rows]
         lines += [json.dumps({"id": i, "reason": why}) for i, why in quarantined.items()]
         commit_bytes(cache, ("\n".join(lines) + "\n").encode())

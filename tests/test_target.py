@@ -154,3 +154,26 @@ def test_device_mapped_target_captures_the_same_features(tiny_target_dir):
     ids = torch.randint(3, 500, (2, 9))
     a, b = capture_features(plain, ids), capture_features(mapped, ids)
     assert torch.equal(a.aux_hidden, b.aux_hidden) and torch.equal(a.last_hidden, b.last_hidden)
+
+
+def test_device_mapped_target_decodes_the_same_tokens(tiny_target_dir, tmp_path):
+    """A serve replica holding several GPUs loads one target copy with device_map; decoding (prefill, trees with
+    their in-place cache edits, plain steps) must give the tokens of the plainly loaded target. On this CPU
+    accelerate places every layer on the CPU, so this checks the code path, not cross-device copies."""
+    from decode_helpers import echo_draft
+    from eagle_core.checkpoint import save_draft
+    from eagle_core.generate import generate
+    from eagle_core.tree import TreeConfig
+    from pipelines.serve.models import load_models
+
+    plain, _ = load_target(str(tiny_target_dir), device="cpu", dtype=torch.float32)
+    save_draft(echo_draft(plain), tmp_path / "draft")
+    prompts = [[5, 17, 99, 4], [8, 8, 3]]
+    outs = []
+    for device_map in (None, "auto"):
+        m = load_models(str(tiny_target_dir), str(tmp_path / "draft"), device="cpu", dtype="float32",
+                        device_map=device_map)
+        outs.append([generate(m.target, prompts, draft=m.draft, tree=TreeConfig(4, 3, 8), mode=mode,
+                              max_new_tokens=12).tokens for mode in ("tree", "plain")])
+    assert outs[0] == outs[1]
+    assert outs[0][0] == outs[0][1]  # and trees are lossless on both

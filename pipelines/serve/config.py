@@ -21,6 +21,9 @@ class ServeConfig:
     draft: str | None = None  # draft folder or models:/<name>@<alias>; None = plain decoding
     model_name: str = ""  # the id clients send as `model`; default: derived from target/draft
     device: str | None = None  # None = cuda when available, else cpu
+    # "auto": one target copy spread over every GPU the replica holds (give it num_gpus > 1); None = "auto"
+    # exactly when the replica sees more than one GPU.
+    device_map: str | None = None
     dtype: str = "auto"  # bf16 where native (GPUs, CPUs with avx512_bf16/AMX), else fp32; float32 = bit-exact
     # ---- tree (EAGLE-2): TreeConfig -------------------------------------------------------------------------
     top_k: int = TreeConfig.top_k

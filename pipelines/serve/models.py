@@ -16,16 +16,19 @@ class LoadedModels:
     context_length: int  # the target's max_position_embeddings
 
 
-def load_models(target: str, draft: str | None = None, device: str | None = None, dtype="auto") -> LoadedModels:
-    """Target (+ draft, validated against it) on one device, in eval mode."""
+def load_models(target: str, draft: str | None = None, device: str | None = None, dtype="auto",
+                device_map: str | None = None) -> LoadedModels:
+    """Target (+ draft, validated against it) in eval mode: on one device, or spread by `device_map` over
+    several GPUs (the draft then sits with the target's embeddings, where decoding keeps its state)."""
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import default_device, load_target
     from pipelines.storage import resolve_source
 
     device = device or default_device()
-    model, tokenizer = load_target(resolve_source(target), device=device, dtype=dtype)
+    model, tokenizer = load_target(resolve_source(target), device=device, dtype=dtype, device_map=device_map)
     draft_model = None
     if draft:
+        device = model.get_input_embeddings().weight.device
         dtype_ = model.get_input_embeddings().weight.dtype
         draft_model = load_draft(resolve_source(draft), target=model, device=device, dtype=dtype_).eval()
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)

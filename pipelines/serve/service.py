@@ -30,7 +30,10 @@ class Service:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.config = config
-        models = load_models(config.target, config.draft, config.device, config.dtype)
+        from eagle_core.target import device_map_for
+
+        device_map = config.device_map if config.device_map is not None else device_map_for()
+        models = load_models(config.target, config.draft, config.device, config.dtype, device_map)
         self.tokenizer, self.speculative = models.tokenizer, models.draft is not None
         self.context = min(config.max_context, models.context_length)
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
