@@ -19,12 +19,14 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
 
 from eagle_core.checkpoint import save_draft
 from eagle_core.draft import DraftConfig, Eagle3Draft
+from eagle_core.features import regenerate_conversations
 from eagle_core.target import capture_features, cpu_has_native_bf16, load_target
 from eagle_core.ttt import (TrainConfig, load_train_state, make_optimizer, make_scheduler, train_state_dict,
                             train_step, ttt_forward)
@@ -54,22 +56,50 @@ class DistillConfig:
     feature_dtype: str = "auto"  # target dtype for features: "auto" = bfloat16 where native, else float32
     seed: int = 0
     mlflow_experiment: str | None = "eagle3-distill"
+    # Which answers the draft learns from: "corpus" (the corpus's own, a prefill only), "regenerated" (the
+    # target rewrites every assistant turn first, as EAGLE-3 does) or "mix" (every other conversation).
+    answers: str = "corpus"
+    regen_max_new_tokens: int = 256
+    cpu_minutes: float | None = None  # stop after this much CPU time of work (summed over resumes): equal-CPU recipes
+
+    def __post_init__(self):
+        if self.answers not in ANSWERS:
+            raise ValueError(f"answers must be one of {ANSWERS}, got {self.answers!r}")
 
 
-def iter_usable(tokenizer, corpus: str, max_length: int, min_loss_tokens: int):
-    """Tokenized conversations of a corpus file in order, those with at least `min_loss_tokens` loss tokens."""
-    from eagle_core.chat import TemplateError, tokenize_conversation
+ANSWERS = ("corpus", "regenerated", "mix")
+
+
+def iter_messages(corpus: str):
+    """The well-formed conversations of a corpus file in order, as message lists (malformed rows skipped)."""
     from pipelines.data import QuarantineError, iter_file_records, normalize_record, resolve_corpus_url
 
     for record, error, _ in iter_file_records(resolve_corpus_url(corpus)):
         if error:
             continue
         try:
-            tok = tokenize_conversation(tokenizer, normalize_record(record)[0], max_length=max_length)
-        except (QuarantineError, TemplateError):
+            yield normalize_record(record)[0]
+        except QuarantineError:
             continue
-        if sum(tok.loss_mask) >= min_loss_tokens:
-            yield tok.input_ids, tok.loss_mask
+
+
+def usable(tokenizer, messages: list[dict], max_length: int, min_loss_tokens: int):
+    """(input_ids, loss_mask) of a conversation with at least `min_loss_tokens` loss tokens, else None."""
+    from eagle_core.chat import TemplateError, tokenize_conversation
+
+    try:
+        tok = tokenize_conversation(tokenizer, messages, max_length=max_length)
+    except TemplateError:
+        return None
+    return (tok.input_ids, tok.loss_mask) if sum(tok.loss_mask) >= min_loss_tokens else None
+
+
+def iter_usable(tokenizer, corpus: str, max_length: int, min_loss_tokens: int):
+    """Tokenized conversations of a corpus file in order, those with at least `min_loss_tokens` loss tokens."""
+    for messages in iter_messages(corpus):
+        row = usable(tokenizer, messages, max_length, min_loss_tokens)
+        if row is not None:
+            yield row
 
 
 def pack(rows: list[tuple[list[int], list[int]]], tokens_per_batch: int):
@@ -142,62 +172,127 @@ class Distiller:
         tcfg = config_from_fields(TrainConfig, cfg, total_steps=cfg.steps)  # lr, warmup_steps, ttt_steps
         opt = make_optimizer(draft, tcfg)
         sched = make_scheduler(opt, tcfg)
-        step, seen, run_id = 0, 0, None
+        progress = Progress()
         if state.is_file():
             saved = torch.load(state, weights_only=True)
-            step = load_train_state(saved, draft, opt, sched)
-            seen, run_id = int(saved["conversations_seen"]), saved.get("mlflow_run_id") or None
-            print(f"[distill] resuming at step {step} ({seen} conversations seen)", flush=True)
-        return draft, tcfg, opt, sched, step, seen, run_id
+            progress.step = load_train_state(saved, draft, opt, sched)
+            progress.seen, progress.cpu_s = int(saved["conversations_seen"]), float(saved.get("cpu_s", 0.0))
+            progress.tokens = int(saved.get("tokens", 0))
+            progress.run_id = saved.get("mlflow_run_id") or None
+            print(f"[distill] resuming at step {progress.step} ({progress.seen} conversations seen)", flush=True)
+        return draft, tcfg, opt, sched, progress
 
-    def save(self, draft, opt, sched, step, seen, run_id, metrics):
-        state = train_state_dict(draft, opt, sched, step)
-        state.update(conversations_seen=seen, mlflow_run_id=run_id or "")
+    def save(self, draft, opt, sched, progress: "Progress", metrics):
+        state = train_state_dict(draft, opt, sched, progress.step)
+        state.update(conversations_seen=progress.seen, mlflow_run_id=progress.run_id or "",
+                     cpu_s=progress.cpu_s, tokens=progress.tokens)
         tmp = self.out / "state.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.out / "state.pt")
         save_draft(draft, self.out / "draft", dtype=torch.bfloat16)
-        info = {"step": step, "conversations_seen": seen, "config": asdict(self.cfg), **metrics}
+        info = {"step": progress.step, "conversations_seen": progress.seen, "cpu_s": round(progress.cpu_s, 1),
+                "tokens": progress.tokens, "config": asdict(self.cfg), **metrics}
         (self.out / "draft" / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def rows(self, chunk: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+        """Training rows of a chunk of conversations, with the answers `cfg.answers` asks for."""
+        cfg = self.cfg
+        regen = [i for i in range(len(chunk)) if cfg.answers == "regenerated" or (cfg.answers == "mix" and i % 2 == 0)]
+        if regen:
+            rewritten, _ = regenerate_conversations(
+                self.target, self.tokenizer, [{"id": str(i), "messages": chunk[i]} for i in regen],
+                max_new_tokens=cfg.regen_max_new_tokens, seed=cfg.seed, max_length=cfg.max_length)
+            chunk = list(chunk)
+            for i in regen:
+                chunk[i] = None
+            for conv in rewritten:
+                chunk[int(conv["id"])] = conv["messages"]
+        rows = [usable(self.tokenizer, m, cfg.max_length, cfg.min_loss_tokens) for m in chunk if m is not None]
+        return [r for r in rows if r is not None]
+
+    def heldout(self, messages) -> list[dict]:
+        """The first `cfg.heldout` usable conversations with the corpus's answers, never trained on."""
+        cfg, rows = self.cfg, []
+        while len(rows) < cfg.heldout:
+            row = usable(self.tokenizer, next(messages), cfg.max_length, cfg.min_loss_tokens)
+            if row is not None:
+                rows.append(row)
+        return [with_features(self.target, b) for b in pack(rows, cfg.tokens_per_batch)]
 
     def run(self):
         cfg = self.cfg
-        draft, tcfg, opt, sched, step, seen, run_id = self.build()
-        stream = iter_usable(self.tokenizer, cfg.corpus, cfg.max_length, cfg.min_loss_tokens)
-        heldout_rows = [next(stream) for _ in range(cfg.heldout)]
-        heldout = [with_features(self.target, b) for b in pack(heldout_rows, cfg.tokens_per_batch)]
-        for _ in range(seen):  # resume: skip what was trained on
-            next(stream)
-        tracker = _Tracker(cfg, run_id)
-        t0, tokens, metrics = time.perf_counter(), 0, {}
-        while step < cfg.steps:
-            rows = [r for _, r in zip(range(32), stream)]
-            if not rows:
+        draft, tcfg, opt, sched, progress = self.build()
+        messages = iter_messages(cfg.corpus)
+        heldout = self.heldout(messages)
+        for _ in range(progress.seen):  # resume: skip what was trained on
+            next(messages)
+        tracker = _Tracker(cfg, progress.run_id)
+        progress.run_id = tracker.run_id
+        progress.start()
+        while not progress.done(cfg):
+            chunk = list(islice(messages, 32))
+            if not chunk:
                 print("[distill] corpus exhausted", flush=True)
                 break
-            seen += len(rows)
-            for batch in pack(rows, cfg.tokens_per_batch):
+            progress.seen += len(chunk)
+            for batch in pack(self.rows(chunk), cfg.tokens_per_batch):
                 batch = with_features(self.target, batch)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
                     metrics = train_step(draft, batch, self.head, opt, sched, tcfg)
-                step += 1
-                tokens += metrics["tokens"]
-                metrics["tokens_per_s"] = tokens / (time.perf_counter() - t0)
-                tracker.log(metrics, step)
-                if step % 10 == 0:
+                progress.advance(metrics["tokens"])
+                metrics["tokens_per_cpu_s"] = progress.tokens_per_cpu_s()
+                tracker.log(metrics, progress.step)
+                if progress.step % 10 == 0:
                     accs = [round(metrics[f"acc_{k}"], 3) for k in range(cfg.ttt_steps)]
-                    print(f"[distill] step {step}/{cfg.steps} loss {metrics['loss']:.3f} acc {accs} "
-                          f"{metrics['tokens_per_s']:.0f} tok/s, {seen} conversations", flush=True)
-                if step % cfg.checkpoint_every == 0 or step >= cfg.steps:
-                    ev = evaluate(draft, heldout, self.head, tcfg.step_decay)
-                    tracker.log(ev, step)
-                    print(f"[distill] held-out at step {step}: "
-                          + " ".join(f"{v:.3f}" for k, v in ev.items() if k.startswith("heldout_acc")), flush=True)
-                    self.save(draft, opt, sched, step, seen, tracker.run_id, ev)
-                if step >= cfg.steps:
+                    print(f"[distill] step {progress.step}/{cfg.steps} loss {metrics['loss']:.3f} acc {accs} "
+                          f"{metrics['tokens_per_cpu_s']:.0f} tok/CPU-s, {progress.seen} conversations, "
+                          f"{progress.cpu_s / 60:.1f} CPU min", flush=True)
+                done = progress.done(cfg)
+                if progress.step % cfg.checkpoint_every == 0 or done:
+                    self.checkpoint(draft, opt, sched, progress, heldout, tracker, tcfg)
+                if done:
                     break
+        if progress.saved_at != progress.step:  # stopped between checkpoints (corpus end)
+            self.checkpoint(draft, opt, sched, progress, heldout, tracker, tcfg)
         tracker.close()
         return self.out / "draft"
+
+    def checkpoint(self, draft, opt, sched, progress, heldout, tracker, tcfg):
+        ev = evaluate(draft, heldout, self.head, tcfg.step_decay)
+        tracker.log(ev, progress.step)
+        print(f"[distill] held-out at step {progress.step}: "
+              + " ".join(f"{v:.3f}" for k, v in ev.items() if k.startswith("heldout_acc")), flush=True)
+        self.save(draft, opt, sched, progress, ev)
+        progress.saved_at = progress.step
+        progress.start()
+
+
+@dataclass
+class Progress:
+    """Where a (resumable) distillation stands; `cpu_s` is the process's CPU time of work summed over resumes
+    (CPU time, not wall time: recipes compared at equal CPU time stay comparable on a shared or paused machine)."""
+    step: int = 0
+    seen: int = 0  # conversations of the corpus consumed after the held-out ones
+    cpu_s: float = 0.0
+    tokens: int = 0
+    run_id: str | None = None
+    saved_at: int = -1
+    _since: float = 0.0
+
+    def start(self):
+        """Count time from now (held-out evaluation and start-up are not work)."""
+        self._since = time.process_time()
+
+    def advance(self, tokens: int):
+        now = time.process_time()
+        self.step, self.tokens, self.cpu_s = self.step + 1, self.tokens + tokens, self.cpu_s + now - self._since
+        self._since = now
+
+    def tokens_per_cpu_s(self) -> float:
+        return self.tokens / max(self.cpu_s, 1e-9)
+
+    def done(self, cfg: DistillConfig) -> bool:
+        return self.step >= cfg.steps or (cfg.cpu_minutes is not None and self.cpu_s >= 60 * cfg.cpu_minutes)
 
 
 class _Tracker:
