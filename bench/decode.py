@@ -191,7 +191,43 @@ def cost_markdown(costs: dict) -> list[str]:
     return lines + [""]
 
 
-def markdown(summary: list[dict], meta: dict, categories: dict | None = None, costs: dict | None = None) -> str:
+CURVE_SHAPES = ("1/4", "2/8", "3/16", "4/16", "6/32")  # depth/nodes: the auto-tuned sizes and the larger ones
+
+
+def tau_curve(tuned: dict) -> list[dict]:
+    """Speed-up over our plain loop as a function of tau, from an auto-tune's measured costs: a round of shape
+    depth/nodes costs (draft time at that depth + a forward of nodes + 1 tokens) = c one-token forwards, so
+    speed-up(tau) = tau / c; per shape: c, the tau this draft reached on it (calibration) and the tau that
+    1.3x and 2x would take."""
+    from eagle_core.autotune import interpolate
+
+    forward = {int(k): v for k, v in tuned["forward_ms_monotone"].items()}
+    rows = []
+    for shape in CURVE_SHAPES:
+        depth, size = map(int, shape.split("/"))
+        if shape not in tuned["tau"] or str(depth) not in tuned["draft_ms"]:
+            continue
+        cost = (tuned["draft_ms"][str(depth)] + interpolate(forward, size + 1)) / forward[1]
+        tau = tuned["tau"][shape]
+        rows.append(dict(shape=shape, round_cost=cost, tau=tau, speedup=tau / cost, tau_for_1_3x=1.3 * cost,
+                         tau_for_2x=2 * cost))
+    return rows
+
+
+def curve_markdown(autotune: dict) -> list[str]:
+    lines = ["Speed-up against tau, from the auto-tune's measured costs (round cost in one-token forwards of the "
+             "target; speed-up = tau / round cost; tau of this draft from the auto-tune's calibration run):", "",
+             "| dtype | tree depth/nodes | round cost | tau of this draft | speed-up | tau for 1.3x | tau for 2x |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for tag, tuned in autotune.items():
+        for r in tau_curve(tuned):
+            lines.append(f"| {tag} | {r['shape']} | {r['round_cost']:.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['tau_for_1_3x']:.2f} | {r['tau_for_2x']:.2f} |")
+    return lines + [""]
+
+
+def markdown(summary: list[dict], meta: dict, categories: dict | None = None, costs: dict | None = None,
+             autotune: dict | None = None) -> str:
     lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
              f"`{meta['command']}`", "",
              f"{meta['prompts']} MT-bench questions (turn 1, chat template), greedy, max_new_tokens "
@@ -215,6 +251,7 @@ def markdown(summary: list[dict], meta: dict, categories: dict | None = None, co
               "so near-ties flip).", ""]
     lines += category_markdown(categories) if categories else []
     lines += cost_markdown(costs) if costs else []
+    lines += curve_markdown(autotune) if autotune else []
     return "\n".join(lines)
 
 
@@ -235,6 +272,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--costs", action=argparse.BooleanOptionalAction, default=True, help="measure the cost table")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--render", metavar="JSON", help="only rewrite the .md of an earlier run's decode.json")
     return p.parse_args(argv)
 
 
@@ -351,6 +389,10 @@ def per_prompt(runs: dict[str, list]) -> dict[str, list[dict]]:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        r = json.loads(Path(args.render).read_text())
+        write_markdown(args.render, markdown(r["summary"], r["meta"], r["by_category"], r["costs"], r["autotune"]))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m for m in args.methods.split(",") if m]
@@ -385,7 +427,7 @@ def main(argv=None):
     result = dict(meta=meta, summary=summary, by_category=categories, costs=cost_table,
                   autotune={k: v.to_dict() for k, v in tuned.items() if v}, per_prompt=per_prompt(runs))
     path = write_json(Path(args.out) / "decode.json", result)
-    write_markdown(path, markdown(summary, meta, categories, cost_table))
+    write_markdown(path, markdown(summary, meta, categories, cost_table, result["autotune"]))
 
 
 if __name__ == "__main__":
