@@ -2,12 +2,14 @@
 
 This is how the shipped SmolLM2 draft is made on a CPU (`python -m jobs.distill`): every conversation is seen
 once (ShareGPT holds far more tokens than a CPU trains on in hours, so fresh data beats epochs), the
-target's features and soft labels come from a prefill of the corpus's own answers (no regeneration: a
-prefill costs ~40x less per token than generating on this CPU), and training runs under bf16 autocast
-where the CPU has native bf16. The loop reads top to bottom:
+target's features and soft labels come from a prefill of the corpus's own answers by default (a prefill costs
+~40x less per token than generating on this CPU; `answers="regenerated"` or `"mix"` has the target rewrite the
+assistant turns first), and training runs under bf16 autocast where the CPU has native bf16. The loop reads
+top to bottom:
 
-    vocab from token counts -> held-out set -> for each packed batch: features, one TTT step,
-    log, every `checkpoint_every` steps: evaluate, save state + draft (resumable) -> final draft
+    vocab from token counts -> held-out set -> for each chunk of 32 conversations: (regenerate) ->
+    for each packed batch: features, one TTT step, log, every `checkpoint_every` steps: evaluate, save
+    state + draft (resumable) -> stop at `steps` or after `cpu_minutes` of CPU time -> final draft
 
 The Ray jobs (`jobs/extract.py`, `jobs/train.py`) are the cluster path; this one is the single-machine path
 and shares its pieces (`eagle_core.ttt.train_step`, `tokenize_conversation`, `capture_features`).
