@@ -12,7 +12,8 @@ numbers of valid entries. The layout used here keeps that cheap and exact:
   `[lengths[b], lengths[b] + n_keep[b])` and drops the rest, so the tree part never survives a round.
 
 Slots between `lengths[b]` and P are garbage for row b and are never attended to. The same functions
-serve the target (a transformers `DynamicCache`, whose per-layer tensors are rewritten in place) and the
+serve the target (a transformers `DynamicCache` of preallocated layers: a forward writes its entries by index
+into a buffer with spare room, and `keep_new_` rewrites the buffer in place) and the
 draft (a single `(k, v)` pair that the caller owns, as the draft contract requires).
 """
 
@@ -75,13 +76,55 @@ def keep_new_(t: torch.Tensor, lengths: torch.Tensor, past_width: int, keep: tor
     return t[:, :, :new_width]
 
 
+def preallocated_layer_class():
+    """A transformers `DynamicLayer` whose keys/values are views of a buffer with room to spare: a forward writes
+    its new entries by index (gpt-fast's `KVCache.update`) instead of concatenating a fresh copy of the whole
+    cache. The buffer doubles when full (amortised O(1) copies per entry); a layer whose tensors were replaced
+    (`select_rows_`, `merge_`) starts a new buffer from them."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        _kbuf = _vbuf = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            width = self.keys.shape[-2] if self.keys.numel() else 0
+            need = width + key_states.shape[-2]
+            if not self._owns(need, key_states.shape[0]):
+                cap = max(2 * need, 64)
+                kbuf = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
+                vbuf = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
+                if width:
+                    kbuf[:, :, :width], vbuf[:, :, :width] = self.keys, self.values
+                self._kbuf, self._vbuf = kbuf, vbuf
+            self._kbuf[:, :, width:need] = key_states
+            self._vbuf[:, :, width:need] = value_states
+            self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+            return self.keys, self.values
+
+        def _owns(self, need: int, batch: int) -> bool:
+            """The current keys/values are the start of this layer's buffers, which have room for `need`."""
+            if self._kbuf is None or self._kbuf.shape[-2] < need or self._kbuf.shape[0] != batch:
+                return False
+            if not self.keys.numel():
+                return True
+            return (self.keys.data_ptr() == self._kbuf.data_ptr() and self.values.data_ptr() == self._vbuf.data_ptr()
+                    and self.keys.stride() == self._kbuf.stride())
+
+    return PreallocatedLayer
+
+
 class TargetKV:
-    """The target's KV cache: a transformers `DynamicCache` plus the valid length of every row."""
+    """The target's KV cache: a transformers `DynamicCache` of preallocated layers plus the valid length of every
+    row."""
 
     def __init__(self, batch_size: int, device, config=None):
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        if config is None:
+            self.cache.layer_class_to_replicate = _PREALLOCATED()
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
 
     @property
@@ -150,6 +193,9 @@ class DraftKV:
         """Append `other`'s rows after this cache's rows (both hold at least one entry per row)."""
         self.k, self.v = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
         self.lengths = torch.cat([self.lengths, other.lengths])
+
+
+_PREALLOCATED = functools.lru_cache(maxsize=None)(preallocated_layer_class)
 
 
 def pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -103,3 +103,50 @@ def test_sampling_acceptance_emits_the_target_distribution():
     freq = torch.bincount(first, minlength=vocab).double() / rows
     p = target_probs(logits[0, 0], sampling).double()
     assert (freq - p).abs().max() < 4 * (p * (1 - p) / rows).sqrt().max() + 1e-3
+
+
+def test_preallocated_cache_writes_in_place_and_holds_what_concatenation_would():
+    """The target's cache layers write new entries into a buffer with spare room (no copy of the whole cache per
+    forward) and, through appends, ragged keeps, dropped rows and merged rows, hold exactly what transformers'
+    concatenating `DynamicLayer` holds."""
+    from transformers.cache_utils import DynamicLayer
+
+    from eagle_core.kv import _PREALLOCATED, keep_new_, pad_cat
+
+    torch.manual_seed(0)
+    ours, ref = _PREALLOCATED()(), DynamicLayer()
+    lengths = torch.tensor([0, 0])
+
+    def append(n: int):
+        k, v = torch.randn(2, 3, n, 4), torch.randn(2, 3, n, 4)
+        a, b = ours.update(k, v), ref.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    def keep(past: int, idx: list[list[int]], n_keep: list[int]):
+        nonlocal lengths
+        keep_t, n_t = torch.tensor(idx), torch.tensor(n_keep)
+        width = int((lengths + n_t).max())
+        for layer in (ours, ref):
+            layer.keys = keep_new_(layer.keys, lengths, past, keep_t, n_t, width)
+            layer.values = keep_new_(layer.values, lengths, past, keep_t, n_t, width)
+        lengths = lengths + n_t
+
+    append(5)
+    keep(0, [[0, 1, 2, 3, 4]] * 2, [5, 5])
+    buffer = ours.keys.data_ptr()
+    for _ in range(6):  # tree rounds: 4 new entries, rows keep different paths
+        past = ours.keys.shape[-2]
+        append(4)
+        keep(past, [[0, 2, 3], [1, 3, 0]], [3, 1])
+        assert ours.keys.data_ptr() == buffer  # written by index into the same buffer
+    valid = lambda layer, row: layer.keys[row, :, : int(lengths[row])]  # noqa: E731
+    assert all(torch.equal(valid(ours, r), valid(ref, r)) for r in range(2))
+    for layer in (ours, ref):  # a row leaves, another batch's rows join: the layer adopts new tensors
+        layer.keys, layer.values = layer.keys[[1]], layer.values[[1]]
+        joining = torch.ones(1, 3, 2, 4)
+        layer.keys, layer.values = pad_cat(layer.keys, joining), pad_cat(layer.values, joining)
+    lengths = torch.tensor([int(lengths[1]), 2])
+    past = ours.keys.shape[-2]
+    append(2)
+    keep(past, [[0, 1], [1, 0]], [2, 1])
+    assert all(torch.equal(valid(ours, r), valid(ref, r)) for r in range(2))
