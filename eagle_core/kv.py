@@ -79,7 +79,7 @@ def keep_new_(t: torch.Tensor, lengths: torch.Tensor, past_width: int, keep: tor
 def preallocated_layer_class():
     """A transformers `DynamicLayer` whose keys/values are views of a buffer with room to spare: a forward writes
     its new entries by index (gpt-fast's `KVCache.update`) instead of concatenating a fresh copy of the whole
-    cache. The buffer doubles when full (amortised O(1) copies per entry); a layer whose tensors were replaced
+    cache. The buffer grows by half when full (amortised O(1) copies per entry); a layer whose tensors were replaced
     (`select_rows_`, `merge_`) starts a new buffer from them."""
     from transformers.cache_utils import DynamicLayer
 
@@ -92,7 +92,7 @@ def preallocated_layer_class():
             width = self.keys.shape[-2] if self.keys.numel() else 0
             need = width + key_states.shape[-2]
             if not self._owns(need, key_states.shape[0]):
-                cap = max(2 * need, 64)
+                cap = need + max(need // 2, 64)  # 1.5x: amortised O(1) copies, at most half the cache spare
                 kbuf = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
                 vbuf = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
                 if width:
