@@ -76,6 +76,7 @@ def keep_new_(t: torch.Tensor, lengths: torch.Tensor, past_width: int, keep: tor
     return t[:, :, :new_width]
 
 
+@functools.lru_cache(maxsize=None)
 def preallocated_layer_class():
     """A transformers `DynamicLayer` whose keys/values are views of a buffer with room to spare: a forward writes
     its new entries by index (gpt-fast's `KVCache.update`) instead of concatenating a fresh copy of the whole
@@ -119,12 +120,11 @@ class TargetKV:
     """The target's KV cache: a transformers `DynamicCache` of preallocated layers plus the valid length of every
     row."""
 
-    def __init__(self, batch_size: int, device, config=None):
+    def __init__(self, batch_size: int, device):
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=config) if config is not None else DynamicCache()
-        if config is None:
-            self.cache.layer_class_to_replicate = _PREALLOCATED()
+        self.cache = DynamicCache()
+        self.cache.layer_class_to_replicate = preallocated_layer_class()  # one layer per decoder layer, lazily
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
 
     @property
@@ -193,9 +193,6 @@ class DraftKV:
         """Append `other`'s rows after this cache's rows (both hold at least one entry per row)."""
         self.k, self.v = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
         self.lengths = torch.cat([self.lengths, other.lengths])
-
-
-_PREALLOCATED = functools.lru_cache(maxsize=None)(preallocated_layer_class)
 
 
 def pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -111,10 +111,10 @@ def test_preallocated_cache_writes_in_place_and_holds_what_concatenation_would()
     concatenating `DynamicLayer` holds."""
     from transformers.cache_utils import DynamicLayer
 
-    from eagle_core.kv import _PREALLOCATED, keep_new_, pad_cat
+    from eagle_core.kv import keep_new_, pad_cat, preallocated_layer_class
 
     torch.manual_seed(0)
-    ours, ref = _PREALLOCATED()(), DynamicLayer()
+    ours, ref = preallocated_layer_class()(), DynamicLayer()
     lengths = torch.tensor([0, 0])
 
     def append(n: int):
