@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) -m bench.train
 	$(PY) -m bench.decode --draft $(DRAFT)
 	$(PY) -m bench.serve --draft $(DRAFT)
+	$(PY) -m bench.kvcache
 
 # The headline draft: regenerated ShareGPT, extracted resumably (rerun to continue), then retrained at two
 # data scales (the smaller one warm-starts the larger; both are evaluated and the better becomes the
