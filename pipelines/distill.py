@@ -34,6 +34,7 @@ from eagle_core.ttt import (TrainConfig, load_train_state, make_optimizer, make_
                             train_step, ttt_forward)
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
 from pipelines.cli import config_from_fields
+from pipelines.train.model import warm_start
 
 
 @dataclass
@@ -63,6 +64,10 @@ class DistillConfig:
     answers: str = "corpus"
     regen_max_new_tokens: int = 256
     cpu_minutes: float | None = None  # stop after this much CPU time of work (summed over resumes): equal-CPU recipes
+    # Warm start: an earlier draft's weights (folder, fsspec URL or models:/ URI; a fresh optimiser), and the
+    # conversation to start from after the held-out ones (e.g. where that draft's own run stopped).
+    init_from: str | None = None
+    first_conversation: int = 0
 
     def __post_init__(self):
         if self.answers not in ANSWERS:
@@ -171,10 +176,13 @@ class Distiller:
                                         ttt_steps=cfg.ttt_steps, lm_head_init=cfg.lm_head_init,
                                         freeze_lm_head=False)
         draft.float()
+        if cfg.init_from:
+            copied = warm_start(draft, cfg.init_from)
+            print(f"[distill] warm start from {cfg.init_from}: {len(copied)} tensors", flush=True)
         tcfg = config_from_fields(TrainConfig, cfg, total_steps=cfg.steps)  # lr, warmup_steps, ttt_steps
         opt = make_optimizer(draft, tcfg)
         sched = make_scheduler(opt, tcfg)
-        progress = Progress()
+        progress = Progress(seen=cfg.first_conversation)
         if state.is_file():
             saved = torch.load(state, weights_only=True)
             progress.step = load_train_state(saved, draft, opt, sched)

@@ -71,3 +71,17 @@ def test_a_cpu_budget_stops_the_run_and_a_rerun_resumes(tmp_path, capsys):
     second = json.loads((draft / "training.json").read_text())
     assert second["step"] == 2 and second["conversations_seen"] >= first["conversations_seen"]
     assert second["cpu_s"] > first["cpu_s"] and second["tokens"] > first["tokens"]
+
+
+@pytest.mark.slow
+def test_a_warm_start_begins_from_the_source_weights_and_conversation(tmp_path):
+    from safetensors.torch import load_file
+
+    source = Distiller(config(tmp_path, output=str(tmp_path / "a"), steps=1)).run()
+    fresh = Distiller(config(tmp_path, output=str(tmp_path / "b"), steps=0)).run()
+    warm = Distiller(config(tmp_path, output=str(tmp_path / "c"), steps=0, init_from=str(source),
+                            first_conversation=10)).run()
+    src, new, cold = (load_file(d / "model.safetensors") for d in (source, warm, fresh))
+    assert all(src[k].equal(new[k]) for k in src if not k.startswith("embed_tokens"))
+    assert not src["fc.weight"].equal(cold["fc.weight"])  # a fresh start would not match: the test can fail
+    assert json.loads((warm / "training.json").read_text())["conversations_seen"] == 10
