@@ -116,12 +116,10 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF file into a plain HF safetensors folder: written to a private temporary folder beside
-    `out_dir`, then renamed into place, so `out_dir` is either absent or complete. Call with the lock held."""
+    """Dequantise a GGUF file into a plain HF safetensors folder `out_dir` (a `cached_folder` fill)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    print(f"[eagle3] converting {gguf_path} to safetensors in {out_dir} (one time)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one from its weights.
@@ -131,35 +129,20 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every process (and user) on a node
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def _cached_conversion(gguf: Path) -> Path:
-    """The cache folder of a GGUF file's conversion, converting it first if needed.
-
-    Safe under any number of concurrent processes on a node (extraction and regeneration actors, serve
-    replicas, test workers): one holds a file lock and converts, the others wait and then find the folder
-    complete. Temporary folders left by a process killed mid-conversion are removed under the lock.
-    """
-    from filelock import FileLock
-
+    """The cache folder of a GGUF file's conversion, converting it first if needed (once per node, however many
+    processes ask at once: extraction and regeneration actors, serve replicas, test workers)."""
     out = cache_dir() / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if not (out / "config.json").is_file():
-            for stale in out.parent.glob(glob.escape(out.name) + ".tmp*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            _convert_gguf(gguf, out)
-    return out
+
+    def fill(tmp: Path):
+        print(f"[eagle3] converting {gguf} to safetensors in {out} (one time)", flush=True)
+        _convert_gguf(gguf, tmp)
+
+    return cached_folder(out, fill)
 
 
 def is_remote(source: str | os.PathLike) -> bool:
@@ -193,7 +176,8 @@ def fetch_folder(url: str) -> Path:
 
 def cached_folder(out: Path, fill) -> Path:
     """`out`, made once per node: `fill(tmp)` writes a private temporary folder beside it, renamed into place under
-    a file lock, so concurrent processes share one copy and a killed one leaves no half-written `out`."""
+    a file lock, so concurrent processes share one copy and a killed one leaves no half-written `out`; the
+    temporary folders a killed process left are removed under the lock before filling."""
     from filelock import FileLock
 
     if out.is_dir():
@@ -201,10 +185,12 @@ def cached_folder(out: Path, fill) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not out.is_dir():
+            for stale in out.parent.glob(glob.escape(out.name) + ".tmp*"):
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
             try:
                 fill(tmp)
-                tmp.chmod(0o755)
+                tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every process on a node
                 os.rename(tmp, out)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
