@@ -196,32 +196,39 @@ CURVE_SHAPES = ("1/4", "2/8", "3/16", "4/16", "6/32")  # depth/nodes: the auto-t
 
 def tau_curve(tuned: dict) -> list[dict]:
     """Speed-up over our plain loop as a function of tau, from an auto-tune's measured costs: a round of shape
-    depth/nodes costs (draft time at that depth + a forward of nodes + 1 tokens) = c one-token forwards, so
-    speed-up(tau) = tau / c; per shape: c, the tau this draft reached on it (calibration) and the tau that
-    1.3x and 2x would take."""
-    from eagle_core.autotune import interpolate
+    depth/nodes costs (draft time at that depth + a forward of nodes + 1 tokens; with path logits the head's
+    share is tau one-row heads) = a + b * tau one-token forwards, so speed-up(tau) = tau / (a + b * tau); per
+    shape: the cost at this draft's tau (calibration), its speed-up and the tau that 1.3x and 2x would take."""
+    from eagle_core.autotune import round_ms
 
-    forward = {int(k): v for k, v in tuned["forward_ms_monotone"].items()}
+    def ints(d):
+        return {int(k): v for k, v in d.items()}
+
+    forward, head, draft = ints(tuned["forward_ms_monotone"]), ints(tuned.get("head_ms") or {1: 0.0}), ints(tuned["draft_ms"])
+    path = bool(tuned.get("path_logits"))
     rows = []
     for shape in CURVE_SHAPES:
         depth, size = map(int, shape.split("/"))
-        if shape not in tuned["tau"] or str(depth) not in tuned["draft_ms"]:
+        if shape not in tuned["tau"] or depth not in draft:
             continue
-        cost = (tuned["draft_ms"][str(depth)] + interpolate(forward, size + 1)) / forward[1]
+        a = round_ms(forward, head, draft, depth, size, 0.0, path) / forward[1]
+        b = round_ms(forward, head, draft, depth, size, 1.0, path) / forward[1] - a
         tau = tuned["tau"][shape]
-        rows.append(dict(shape=shape, round_cost=cost, tau=tau, speedup=tau / cost, tau_for_1_3x=1.3 * cost,
-                         tau_for_2x=2 * cost))
+        needed = {x: x * a / (1 - x * b) if x * b < 1 else float("inf") for x in (1.3, 2.0)}
+        rows.append(dict(shape=shape, round_cost=a + b * tau, tau=tau, speedup=tau / (a + b * tau),
+                         tau_for_1_3x=needed[1.3], tau_for_2x=needed[2.0], path_logits=path))
     return rows
 
 
 def curve_markdown(autotune: dict) -> list[str]:
     lines = ["Speed-up against tau, from the auto-tune's measured costs (round cost in one-token forwards of the "
              "target; speed-up = tau / round cost; tau of this draft from the auto-tune's calibration run):", "",
-             "| dtype | tree depth/nodes | round cost | tau of this draft | speed-up | tau for 1.3x | tau for 2x |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| dtype | tree depth/nodes | head | round cost | tau of this draft | speed-up | tau for 1.3x | tau for 2x |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for tag, tuned in autotune.items():
         for r in tau_curve(tuned):
-            lines.append(f"| {tag} | {r['shape']} | {r['round_cost']:.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
+            head = "path" if r["path_logits"] else "all nodes"
+            lines.append(f"| {tag} | {r['shape']} | {head} | {r['round_cost']:.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
                          f"{r['tau_for_1_3x']:.2f} | {r['tau_for_2x']:.2f} |")
     return lines + [""]
 

@@ -13,6 +13,10 @@ are measured:
   calibration run gives tau(T) for every T at once.
 
 expected tokens/s (T) = tau(T) / (draft time per round + verify time(T + 1)).
+The verify's lm_head runs either on every node or only along the accepted path (`TreeConfig.path_logits`:
+tau one-row heads instead of one (T + 1)-row head); `measure_head` times the head alone and the cheaper way
+is chosen with the shape (on this CPU an fp32 head of 5 rows costs ~2.5 one-row ones; in bf16 or on a GPU
+the multi-row head is nearly free).
 The plain loop is a candidate too (1 / one-token forward): `mode` says "plain" when no tree beats it.
 
 The depth is tuned the same way, because on a CPU every draft level costs real time: the candidates of
@@ -51,10 +55,12 @@ class AutotuneResult:
     calibration: dict = field(default_factory=dict)
     plain_tokens_per_s: float = 0.0  # the plain loop: 1 / a one-token forward
     mode: str = "tree"  # "plain" when no tree is expected to beat the plain loop
+    head_ms: dict[int, float] = field(default_factory=dict)  # rows -> the lm_head alone (non-decreasing)
+    path_logits: bool = False  # the head only along the accepted path (cheaper for the chosen shape)
 
     @property
     def tree(self) -> TreeConfig:
-        return TreeConfig(self.top_k, self.depth, self.total_tokens)
+        return TreeConfig(self.top_k, self.depth, self.total_tokens, path_logits=self.path_logits)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,6 +91,34 @@ def measure_target_forward(target, widths, context_tokens: int = 256, repeats: i
                          torch.zeros(1, dtype=torch.long, device=device))
         out[width] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
     return out
+
+
+@torch.inference_mode()
+def measure_head(target, widths, repeats: int = 5) -> dict[int, float]:
+    """Median wall time (ms) of the target's lm_head alone on `width` rows (part of every verify forward)."""
+    head = target.get_output_embeddings()
+    device = head.weight.device
+    x = torch.randn(1, max(widths), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(device, head.weight.dtype)
+    out = {}
+    for width in widths:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = clock(device)
+            head(x[:, :width])
+            times.append(clock(device) - t0)
+        out[width] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
+    return out
+
+
+def round_ms(forward_ms: dict[int, float], head_ms: dict[int, float], draft_ms: dict[int, float], depth: int,
+             size: int, tau: float, path_logits: bool) -> float:
+    """Expected time of one round: the draft at `depth`, then the verify forward of `size` + 1 tokens with the
+    lm_head on every node, or (path_logits) on tau rows, one per level walked (accepted tokens + the bonus)."""
+    verify = interpolate(forward_ms, size + 1)
+    if path_logits:
+        verify += tau * interpolate(head_ms, 1) - interpolate(head_ms, size + 1)
+    return draft_ms[depth] + verify
 
 
 def monotone(points: dict[int, float]) -> dict[int, float]:
@@ -180,14 +214,21 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.to
     t0 = time.perf_counter()
     forward_ms = measure_target_forward(target, [1] + [s + 1 for s in sizes], context_tokens,
                                         aux_layer_ids=list(draft.config.aux_layer_ids))
+    head_ms = monotone(measure_head(target, [1] + [s + 1 for s in sizes]))
     draft_ms = measure_draft(draft, top_k, depths, context_tokens)
     t1 = time.perf_counter()
     tau, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), depths, sizes,
                                     max_new_tokens, eos_token_id)
     t2 = time.perf_counter()
     smooth = monotone(forward_ms)
-    expected = {(d, s): 1000 * tau[(d, s)] / (draft_ms[d] + interpolate(smooth, s + 1))
-                for d in depths for s in sizes if s <= TreeConfig(top_k, d, s).num_candidates}
+    expected, path = {}, {}
+    for d in depths:
+        for s in sizes:
+            if s > TreeConfig(top_k, d, s).num_candidates:
+                continue
+            cost = {p: round_ms(smooth, head_ms, draft_ms, d, s, tau[(d, s)], p) for p in (False, True)}
+            path[(d, s)] = cost[True] < cost[False]
+            expected[(d, s)] = 1000 * tau[(d, s)] / cost[path[(d, s)]]
     best_depth, best_size = max(expected, key=expected.get)
     plain = 1000 / smooth[1]  # plain decoding is a candidate: a tree must beat it to be chosen
     calibration = dict(prompts=len(prompts), rounds=sum(s.rounds for s in res.stats),
@@ -198,4 +239,5 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.to
                           tau={f"{d}/{s}": v for (d, s), v in tau.items()},
                           expected_tokens_per_s={f"{d}/{s}": v for (d, s), v in expected.items()},
                           calibration=calibration, plain_tokens_per_s=plain,
-                          mode="tree" if expected[(best_depth, best_size)] > plain else "plain")
+                          mode="tree" if expected[(best_depth, best_size)] > plain else "plain",
+                          head_ms=head_ms, path_logits=path[(best_depth, best_size)])

@@ -26,7 +26,7 @@ import torch
 
 from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, lm_logits, target_forward
 from eagle_core.tree import Tree, TreeConfig, draft_tree
-from eagle_core.verify import SamplingConfig, accept, sample_next, verify_tree
+from eagle_core.verify import SamplingConfig, accept, accept_on_path, sample_next, verify_hidden
 
 MODES = ("tree", "chain", "plain")
 
@@ -122,8 +122,11 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
     t1 = clock(device)
     past_width, root_positions = kv.width, kv.lengths
-    logits, aux = verify_tree(target, kv, tree, aux_layer_ids)  # [B, N, V], [B, N, 3H]
-    acc = accept(tree, logits, sampling, seeds, root_positions)
+    hidden, aux = verify_hidden(target, kv, tree, aux_layer_ids)  # [B, N, H], [B, N, 3H]
+    if tree_config.path_logits:
+        acc = accept_on_path(target, tree, hidden, sampling, seeds, root_positions)
+    else:
+        acc = accept(tree, lm_logits(target, hidden), sampling, seeds, root_positions)
     kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
     t2 = clock(device)
     # The path's features go to the draft, each paired with the token that follows it on the path
@@ -218,7 +221,7 @@ class DecodingState:
         """One round: "plain" (one target token), "tree" (`self.tree`) or "chain" (a chain of its depth)."""
         if mode == "plain":
             return self._plain_step()
-        tree = self.tree if mode == "tree" else TreeConfig.chain(self.tree.depth)
+        tree = self.tree if mode == "tree" else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
         t0 = clock(self.device)
         caught_up = self.catch_up_draft_()
         catch_up_s = clock(self.device) - t0 if caught_up else 0.0

@@ -33,6 +33,10 @@ class TreeConfig:
     top_k: int = 8
     depth: int = 6
     total_tokens: int = 32  # draft nodes kept (the verified tree has total_tokens + 1 tokens with the root)
+    # The target's lm_head only along the path being accepted (one row per sequence and level) instead of on
+    # every node: cheaper where a multi-row head costs more than tau one-row ones (fp32 on CPUs); the
+    # auto-tuner measures both. Same tokens either way.
+    path_logits: bool = False
 
     def __post_init__(self):
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 1:
@@ -48,8 +52,8 @@ class TreeConfig:
         return min(self.total_tokens, self.num_candidates)
 
     @classmethod
-    def chain(cls, length: int) -> "TreeConfig":
-        return cls(top_k=1, depth=length, total_tokens=length)
+    def chain(cls, length: int, path_logits: bool = False) -> "TreeConfig":
+        return cls(top_k=1, depth=length, total_tokens=length, path_logits=path_logits)
 
 
 @dataclass

@@ -116,13 +116,18 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int]
 
 
 @torch.inference_mode()
-def verify_tree(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | None):
-    """Target forward over the flattened tree. Returns (logits [B, N, V], aux [B, N, 3H] or None).
+def verify_hidden(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | None):
+    """Target forward over the flattened tree, up to the lm_head: (hidden [B, N, H], aux [B, N, 3H] or None).
 
     The N entries are appended to `kv` at slots [P, P+N); `kv.keep_new_` must follow with the path.
     """
     position_ids = kv.lengths[:, None] + tree.depth  # [B, N]
-    hidden, aux = target_forward(target, kv, tree.tokens, position_ids, tree.ancestors, aux_layer_ids)
+    return target_forward(target, kv, tree.tokens, position_ids, tree.ancestors, aux_layer_ids)
+
+
+def verify_tree(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | None):
+    """`verify_hidden` with the lm_head on every node: (logits [B, N, V], aux [B, N, 3H] or None)."""
+    hidden, aux = verify_hidden(target, kv, tree, aux_layer_ids)
     return lm_logits(target, hidden), aux
 
 
@@ -188,6 +193,39 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: li
     if sampling.greedy:
         return accept_greedy(tree, logits)
     return accept_sampling(tree, logits, sampling, seeds, root_positions)
+
+
+@torch.inference_mode()
+def accept_on_path(target, tree: Tree, hidden: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+                   root_positions: torch.Tensor | None = None) -> Acceptance:
+    """`accept(tree, lm_logits(target, hidden), ...)` with the lm_head applied only where acceptance looks.
+
+    Acceptance reads the target's token at the nodes of the accepted path alone (`accept_tokens`), so walk it
+    level by level from the root: the token at the current node (argmax, or noisy argmax at the position of
+    its depth, exactly as `accept_sampling`), then the child carrying it, if any (siblings carry distinct
+    tokens). One lm_head row per still-accepting sequence and level, accept_length + 1 levels, instead of N
+    rows: the same acceptance, cheaper wherever a multi-row head costs more than that (fp32 on CPUs).
+    """
+    b, _ = tree.tokens.shape
+    device = tree.tokens.device
+    node = torch.zeros(b, dtype=torch.long, device=device)
+    bonus = torch.zeros(b, dtype=torch.long, device=device)
+    active = torch.arange(b, device=device)  # rows whose last chosen token was a child in the tree
+    for level in range(int(tree.depth.max()) + 1):
+        at = node[active]
+        logits = lm_logits(target, hidden[active, at][:, None])  # [A, 1, V]
+        positions = None if sampling.greedy else (root_positions[active] + level + 1)[:, None]
+        rows_seeds = None if sampling.greedy else [seeds[i] for i in active.tolist()]
+        chosen = sample_tokens(logits, sampling, rows_seeds, positions)[:, 0]  # [A]
+        bonus[active] = chosen
+        child = ((tree.parents[active] == at[:, None]) & (tree.depth[active] == level + 1)
+                 & (tree.tokens[active] == chosen[:, None]))  # [A, N]: at most one per row
+        found = child.any(dim=-1)
+        node[active] = torch.where(found, child.int().argmax(dim=-1), at)
+        active = active[found]
+        if active.numel() == 0:
+            break
+    return _acceptance(tree, node, bonus)
 
 
 def _acceptance(tree: Tree, last: torch.Tensor, bonus: torch.Tensor) -> Acceptance:

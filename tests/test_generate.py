@@ -111,7 +111,7 @@ def test_stats_definitions(damped, prompts):
 def test_autotune_choice_and_calibration(damped, prompts):
     """The chosen (depth, total_tokens) maximises the reported estimate, and the estimate's tau for the
     calibration tree itself equals the tau that the calibration run actually achieved."""
-    from eagle_core.autotune import autotune, calibrate_acceptance
+    from eagle_core.autotune import autotune, calibrate_acceptance, round_ms
 
     draft = echo_draft(damped)
     res = autotune(damped, draft, prompts[:3], top_k=3, depth=4, sizes=(1, 4, 8, 16), max_new_tokens=16,
@@ -123,3 +123,21 @@ def test_autotune_choice_and_calibration(damped, prompts):
     achieved = sum(sum(s.accept_lengths) for s in run.stats) / sum(s.rounds for s in run.stats) + 1
     assert tau[(4, 16)] == pytest.approx(achieved)
     assert tau[(1, 16)] <= tau[(4, 16)] and tau[(4, 1)] <= tau[(4, 16)]
+    # the head (all nodes or the path) is the cheaper one for the chosen shape, and the tree carries it
+    assert set(res.head_ms) >= {1, res.total_tokens + 1} and res.tree.path_logits == res.path_logits
+    cost = {p: round_ms(res.forward_ms_monotone, res.head_ms, res.draft_ms, res.depth, res.total_tokens,
+                        res.tau[best], p) for p in (False, True)}
+    assert cost[res.path_logits] == min(cost.values())
+    assert res.expected_tokens_per_s[best] == pytest.approx(1000 * res.tau[best] / min(cost.values()))
+
+
+def test_round_cost_counts_the_head_on_every_node_or_on_the_path():
+    """fp32 on a CPU: a 5-row head costs 3 one-row heads, so a 1/4 tree accepting 1.5 tokens per round is
+    cheaper with path logits; with a nearly free multi-row head (bf16, GPUs) it is not."""
+    from eagle_core.autotune import round_ms
+
+    forward, draft = {1: 60.0, 5: 100.0}, {1: 5.0}
+    fp32, bf16 = {1: 10.0, 5: 30.0}, {1: 3.0, 5: 3.5}
+    assert round_ms(forward, fp32, draft, 1, 4, 1.5, False) == round_ms(forward, bf16, draft, 1, 4, 1.5, False) == 105
+    assert round_ms(forward, fp32, draft, 1, 4, 1.5, True) == pytest.approx(90.0)
+    assert round_ms(forward, bf16, draft, 1, 4, 1.5, True) == pytest.approx(106.0)

@@ -150,3 +150,33 @@ def test_preallocated_cache_writes_in_place_and_holds_what_concatenation_would()
     append(2)
     keep(past, [[0, 1], [1, 0]], [2, 1])
     assert all(torch.equal(valid(ours, r), valid(ref, r)) for r in range(2))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.2], ids=["greedy", "sampled"])
+@torch.inference_mode()
+def test_path_logits_accept_exactly_what_logits_on_every_node_accept(temperature):
+    """`TreeConfig.path_logits` runs the lm_head only along the path being accepted: every round accepts the same
+    path and bonus as with logits on every node, over multi-token acceptances, in a batch, greedy and sampled;
+    and the head sees fewer rows."""
+    from decode_helpers import damped_tiny_llama, echo_draft
+    from eagle_core.tree import TreeConfig
+
+    target = damped_tiny_llama(0.8, dtype=torch.float64, seed=3)
+    draft = echo_draft(target)
+    prompts = random_prompts(4, 512, seed=7)
+    head_rows, rounds = [], {}
+    hook = target.get_output_embeddings().register_forward_hook(
+        lambda _m, inputs, _o: head_rows.append(inputs[0].shape[0] * inputs[0].shape[1]))
+    for path_logits in (False, True):
+        head_rows.clear()
+        seen = rounds[path_logits] = []
+        tokens = generate(target, prompts, draft=draft, tree=TreeConfig(3, 4, 10, path_logits=path_logits),
+                          mode="tree", max_new_tokens=30, temperature=temperature, seed=11,
+                          on_round=lambda out, _: seen.append((out.path.tolist(), out.accept_length.tolist(),
+                                                               out.root.tolist()))).tokens
+        rounds[path_logits] = (seen, tokens, sum(head_rows))
+    (every, every_tokens, every_rows), (path, path_tokens, path_rows) = rounds[False], rounds[True]
+    assert path == every and path_tokens == every_tokens
+    assert max(n for _, lengths, _ in every for n in lengths) >= 2  # walks of several levels were exercised
+    assert path_rows < every_rows
+    hook.remove()
