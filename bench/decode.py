@@ -6,8 +6,9 @@
 Methods, in each dtype of `--dtypes` (default: float32, plus bfloat16 where the CPU has native bf16): HF
 `generate` greedy; HF prompt-lookup decoding; our plain loop (same KV cache and forward code as the
 speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
-size is auto-tuned on this machine and dtype first (on MT-bench questions outside the measured ones); ours
-with the auto policy (`generate(mode="auto")`: per round the measured-fastest of tree, chain and plain).
+size is auto-tuned on this machine and dtype first (on MT-bench questions outside the measured ones), with
+the lm_head on every node or on the accepted path as the auto-tune chose, and the same tree with the other
+choice ("tree_other_head": what the choice buys); ours with the auto policy (`generate(mode="auto")`: per round the measured-fastest of tree, chain and plain).
 Reports per method: tau (tokens per target forward, bonus counted), tokens/s, speed-up over HF greedy
 float32 (what transformers gives by default) and over our plain loop of the same dtype, achieved memory
 bandwidth (weights read per second, gpt-fast habit), outputs identical to HF greedy of the same dtype and
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,7 +40,7 @@ from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 from pipelines.data import load_mtbench_questions, spread_indices
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "auto")
+METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "auto")
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 COST_WIDTHS = (1, 2, 4, 8, 16, 32)
 COST_CONTEXT = 300  # cache length of the cost table (tokens)
@@ -85,6 +87,7 @@ class Runner:
             return dict(tokens=tokens, seconds=seconds, rounds=None, accepted=None, draft_s=None, verify_s=None)
         draft = None if method == "plain" else self.draft
         tree, mode = {"plain": (None, "plain"), "chain": (self.chain, "tree"), "tree": (self.tree, "tree"),
+                      "tree_other_head": (replace(self.tree, path_logits=not self.tree.path_logits), "tree"),
                       "auto": (self.tree, "auto")}[method]
         res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, chooser=self.chooser,
                        max_new_tokens=max_new_tokens, eos_token_id=self.eos)
@@ -377,7 +380,7 @@ def summaries(runs: dict[str, list], variants: dict) -> list[dict]:
     for label, (runner, method) in variants.items():
         tag = label.split()[1]
         reference = runs.get(f"hf_greedy {tag}") or runs.get(f"plain {tag}") or runs[label]
-        depth = {"chain": runner.chain.depth, "tree": runner.tree.depth, "auto": runner.tree.depth}.get(method, 0)
+        depth = runner.chain.depth if method == "chain" else runner.tree.depth if method in ("tree", "tree_other_head", "auto") else 0
         summary.append(summarize(label, runs[label], reference, param_bytes(runner.model),
                                  draft_step_bytes(runner.draft), depth))
     base = {s["method"]: s["tokens_per_s"] for s in summary}
