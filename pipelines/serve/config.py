@@ -29,6 +29,7 @@ class ServeConfig:
     top_k: int = TreeConfig.top_k
     depth: int = TreeConfig.depth
     total_tokens: int = TreeConfig.total_tokens
+    path_logits: bool = TreeConfig.path_logits  # lm_head on the accepted path only: pays for fp32 on CPUs
     # ---- batching and load fallback: EngineConfig (its docstring; engine.choose_mode, eagle_core.policy.ModeChooser) ----
     max_batch_size: int = EngineConfig.max_batch_size
     max_waiting: int = EngineConfig.max_waiting
