@@ -131,19 +131,24 @@ def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
     assert os.path.isfile(os.path.join(folder, "config.json"))
 
 
-@pytest.mark.slow
-def test_stale_temporary_folder_of_a_killed_conversion_is_removed(tmp_path, monkeypatch):
-    from eagle_core import target as target_mod
+def test_stale_temporary_folder_of_a_killed_fill_is_removed(tmp_path):
+    """`cached_folder` (the GGUF conversion, remote targets, registry drafts): a temporary folder left by a process
+    killed mid-fill is removed before the next fill, and the folder appears complete."""
+    from eagle_core.target import cached_folder
 
-    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
-    gguf = target_mod.smollm2_gguf_path()
-    out = tmp_path / "targets" / f"{gguf.stem}-{target_mod._file_digest(gguf)}"
+    out = tmp_path / "targets" / "model-0123"
     stale = out.with_name(out.name + ".tmp_killed")
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")  # half-written by a process that died
-    assert materialize_hf_folder("smollm2-135m") == out
-    assert (out / "model.safetensors").is_file()
-    assert not stale.exists()
+    fills = []
+
+    def fill(tmp):
+        fills.append(tmp)
+        (tmp / "config.json").write_text('{"complete": true}')
+
+    assert cached_folder(out, fill) == out and cached_folder(out, fill) == out
+    assert len(fills) == 1 and (out / "config.json").read_text() == '{"complete": true}'
+    assert not stale.exists() and sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".lock"]
 
 
 def test_device_mapped_target_captures_the_same_features(tiny_target_dir):
