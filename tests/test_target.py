@@ -110,7 +110,7 @@ print("RESULT", folder, digest)
 def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
     """N processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
     extraction actors start together) all succeed, agree on one folder with identical weights, and leave no
-    temporary folder behind; a stale temporary folder of a killed conversion is cleaned up."""
+    temporary folder behind."""
     import os
     import subprocess
     import sys
