@@ -8,7 +8,8 @@ Methods, in each dtype of `--dtypes` (default: float32, plus bfloat16 where the 
 speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
 size is auto-tuned on this machine and dtype first (on MT-bench questions outside the measured ones), with
 the lm_head on every node or on the accepted path as the auto-tune chose, and the same tree with the other
-choice ("tree_other_head": what the choice buys); ours with the auto policy (`generate(mode="auto")`: per round the measured-fastest of tree, chain and plain).
+choice ("tree_other_head": what the choice buys); ours with the auto policy (`generate(mode="auto")`: per
+round the measured-fastest of tree, chain and plain).
 Reports per method: tau (tokens per target forward, bonus counted), tokens/s, speed-up over HF greedy
 float32 (what transformers gives by default) and over our plain loop of the same dtype, achieved memory
 bandwidth (weights read per second, gpt-fast habit), outputs identical to HF greedy of the same dtype and
@@ -207,7 +208,8 @@ def tau_curve(tuned: dict) -> list[dict]:
     def ints(d):
         return {int(k): v for k, v in d.items()}
 
-    forward, head, draft = ints(tuned["forward_ms_monotone"]), ints(tuned.get("head_ms") or {1: 0.0}), ints(tuned["draft_ms"])
+    forward, draft = ints(tuned["forward_ms_monotone"]), ints(tuned["draft_ms"])
+    head = ints(tuned.get("head_ms") or {})  # absent from runs recorded before path logits (head on every node)
     path = bool(tuned.get("path_logits"))
     rows = []
     for shape in CURVE_SHAPES:
@@ -380,7 +382,8 @@ def summaries(runs: dict[str, list], variants: dict) -> list[dict]:
     for label, (runner, method) in variants.items():
         tag = label.split()[1]
         reference = runs.get(f"hf_greedy {tag}") or runs.get(f"plain {tag}") or runs[label]
-        depth = runner.chain.depth if method == "chain" else runner.tree.depth if method in ("tree", "tree_other_head", "auto") else 0
+        depth = {"chain": runner.chain.depth, "tree": runner.tree.depth, "tree_other_head": runner.tree.depth,
+                 "auto": runner.tree.depth}.get(method, 0)
         summary.append(summarize(label, runs[label], reference, param_bytes(runner.model),
                                  draft_step_bytes(runner.draft), depth))
     base = {s["method"]: s["tokens_per_s"] for s in summary}

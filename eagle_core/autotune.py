@@ -81,16 +81,23 @@ def measure_target_forward(target, widths, context_tokens: int = 256, repeats: i
         parents = torch.clamp(torch.arange(width, device=device) - 1, min=0)[None]
         tokens = torch.randint(0, vocab, (1, width), generator=g).to(device)
         tree = tree_from_parents(tokens, parents)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            past = kv.width
-            t0 = clock(device)
-            verify_tree(target, kv, tree, aux_layer_ids)
-            times.append(clock(device) - t0)
-            kv.keep_new_(past, torch.zeros(1, 1, dtype=torch.long, device=device),
-                         torch.zeros(1, dtype=torch.long, device=device))
-        out[width] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
+        past, none = kv.width, torch.zeros(1, dtype=torch.long, device=device)
+        out[width] = median_ms(device, lambda: verify_tree(target, kv, tree, aux_layer_ids), repeats,
+                               undo=lambda: kv.keep_new_(past, none[:, None], none))  # drop the verified entries
     return out
+
+
+def median_ms(device, run, repeats: int, undo=None) -> float:
+    """Median wall time (ms) of `run()` over `repeats` runs after a warm-up one; `undo()`, untimed, after each."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = clock(device)
+        run()
+        times.append(clock(device) - t0)
+        if undo is not None:
+            undo()
+    times = sorted(times[1:])
+    return 1000 * times[len(times) // 2]
 
 
 @torch.inference_mode()
@@ -100,15 +107,7 @@ def measure_head(target, widths, repeats: int = 5) -> dict[int, float]:
     device = head.weight.device
     x = torch.randn(1, max(widths), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x.to(device, head.weight.dtype)
-    out = {}
-    for width in widths:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = clock(device)
-            head(x[:, :width])
-            times.append(clock(device) - t0)
-        out[width] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
-    return out
+    return {width: median_ms(device, lambda: head(x[:, :width]), repeats) for width in widths}
 
 
 def round_ms(forward_ms: dict[int, float], head_ms: dict[int, float], draft_ms: dict[int, float], depth: int,
@@ -158,17 +157,16 @@ def measure_draft(draft, top_k: int, depths, context_tokens: int = 256, extend_t
 
     dkv = DraftKV(1, device)
     hidden = draft_extend(draft, dkv, *features(context_tokens), torch.tensor([context_tokens], device=device))
-    out = {}
-    for depth in depths:
-        times = []
-        for _ in range(repeats + 1):
-            snapshot = (dkv.k, dkv.v, dkv.lengths)
-            t0 = clock(device)
-            h = draft_extend(draft, dkv, *features(extend_tokens), torch.tensor([extend_tokens], device=device))
-            draft_tree(draft, dkv, h, torch.zeros(1, dtype=torch.long, device=device), TreeConfig(top_k, depth, 1))
-            times.append(clock(device) - t0)
-            dkv.k, dkv.v, dkv.lengths = snapshot
-        out[depth] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
+    snapshot = (dkv.k, dkv.v, dkv.lengths)
+
+    def round_at(depth):
+        h = draft_extend(draft, dkv, *features(extend_tokens), torch.tensor([extend_tokens], device=device))
+        draft_tree(draft, dkv, h, torch.zeros(1, dtype=torch.long, device=device), TreeConfig(top_k, depth, 1))
+
+    def restore():
+        dkv.k, dkv.v, dkv.lengths = snapshot
+
+    out = {depth: median_ms(device, lambda: round_at(depth), repeats, undo=restore) for depth in depths}
     del hidden
     return out
 
@@ -212,9 +210,9 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.to
     sizes = sorted({min(s, max_size) for s in sizes})
     depths = sorted(depths or range(1, depth + 1))
     t0 = time.perf_counter()
-    forward_ms = measure_target_forward(target, [1] + [s + 1 for s in sizes], context_tokens,
-                                        aux_layer_ids=list(draft.config.aux_layer_ids))
-    head_ms = monotone(measure_head(target, [1] + [s + 1 for s in sizes]))
+    widths = [1] + [s + 1 for s in sizes]  # verify forwards of a plain step and of every candidate size
+    forward_ms = measure_target_forward(target, widths, context_tokens, aux_layer_ids=list(draft.config.aux_layer_ids))
+    head_ms = monotone(measure_head(target, widths))
     draft_ms = measure_draft(draft, top_k, depths, context_tokens)
     t1 = time.perf_counter()
     tau, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), depths, sizes,

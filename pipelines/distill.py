@@ -176,9 +176,6 @@ class Distiller:
                                         ttt_steps=cfg.ttt_steps, lm_head_init=cfg.lm_head_init,
                                         freeze_lm_head=False)
         draft.float()
-        if cfg.init_from:
-            copied = warm_start(draft, cfg.init_from)
-            print(f"[distill] warm start from {cfg.init_from}: {len(copied)} tensors", flush=True)
         tcfg = config_from_fields(TrainConfig, cfg, total_steps=cfg.steps)  # lr, warmup_steps, ttt_steps
         opt = make_optimizer(draft, tcfg)
         sched = make_scheduler(opt, tcfg)
@@ -190,6 +187,9 @@ class Distiller:
             progress.tokens = int(saved.get("tokens", 0))
             progress.run_id = saved.get("mlflow_run_id") or None
             print(f"[distill] resuming at step {progress.step} ({progress.seen} conversations seen)", flush=True)
+        elif cfg.init_from:  # a warm start seeds a new run only; a resumed one has its own weights
+            copied = warm_start(draft, cfg.init_from)
+            print(f"[distill] warm start from {cfg.init_from}: {len(copied)} tensors", flush=True)
         return draft, tcfg, opt, sched, progress
 
     def save(self, draft, opt, sched, progress: "Progress", metrics):
