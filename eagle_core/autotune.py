@@ -157,14 +157,14 @@ def measure_draft(draft, top_k: int, depths, context_tokens: int = 256, extend_t
 
     dkv = DraftKV(1, device)
     hidden = draft_extend(draft, dkv, *features(context_tokens), torch.tensor([context_tokens], device=device))
-    snapshot = (dkv.k, dkv.v, dkv.lengths)
+    snapshot = (dkv.width, dkv.lengths)  # later writes land beyond these rows' lengths
 
     def round_at(depth):
         h = draft_extend(draft, dkv, *features(extend_tokens), torch.tensor([extend_tokens], device=device))
         draft_tree(draft, dkv, h, torch.zeros(1, dtype=torch.long, device=device), TreeConfig(top_k, depth, 1))
 
     def restore():
-        dkv.k, dkv.v, dkv.lengths = snapshot
+        dkv.width, dkv.lengths = snapshot
 
     out = {depth: median_ms(device, lambda: round_at(depth), repeats, undo=restore) for depth in depths}
     del hidden

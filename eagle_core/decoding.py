@@ -71,8 +71,9 @@ def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tens
     hidden = draft.fuse(aux)  # [B, S, H]
     position_ids = dkv.lengths[:, None] + steps
     mask = attention_allowed(dkv.lengths, dkv.width, causal_mask(steps < n_new[:, None]))
-    out, new_kv = draft(hidden, next_tokens, position_ids, attention_mask=mask, past_kv=dkv.past())
-    dkv.append_and_keep_(new_kv, steps.expand(b, s), n_new)
+    past_width = dkv.width
+    out, _ = draft(hidden, next_tokens, position_ids, attention_mask=mask, past_kv=dkv)
+    dkv.keep_new_(past_width, steps.expand(b, s), n_new)
     return out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))
 
 

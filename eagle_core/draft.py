@@ -375,15 +375,18 @@ class Eagle3Draft(nn.Module):
         """One draft step over S new tokens.
 
         hidden: [B, S, H]; input_ids, position_ids: [B, S]
-        past_kv: None or (k, v), each [B, kv_heads, P, D], already rotated
+        past_kv: None; (k, v), each [B, kv_heads, P, D], already rotated; or a cache whose `update(k, v)` stores
+            the new entries after its P and returns all P+S (`eagle_core.kv.DraftKV`, written by index)
         attention_mask: None (causal over the new tokens, all of the cache visible) or bool [B, 1, S, P+S]
         returns out_hidden [B, S, H] (pre-norm) and the new (k, v), each [B, kv_heads, S, D]
         """
         q, k, v, residual = self.project_qkv(hidden, input_ids, position_ids)
         keys, values = k, v
-        if past_kv is not None:
+        if isinstance(past_kv, tuple):
             keys = torch.cat((past_kv[0].to(k.dtype), k), dim=2)
             values = torch.cat((past_kv[1].to(v.dtype), v), dim=2)
+        elif past_kv is not None:
+            keys, values = past_kv.update(k, v)
         if attention_mask is None:
             attention_mask = causal_mask_with_cache(q.shape[2], keys.shape[2], q.device)
         # SDPA's own grouped-query support reads each kv head for its query heads: no repeated copy of the

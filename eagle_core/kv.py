@@ -76,12 +76,34 @@ def keep_new_(t: torch.Tensor, lengths: torch.Tensor, past_width: int, keep: tor
     return t[:, :, :new_width]
 
 
+def write_at(buf: torch.Tensor | None, width: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write `new` [B, heads, S, d] at slots [width, width + S) of a cache buffer (gpt-fast's `KVCache.update`).
+
+    buf: None or [B, heads, capacity, d] whose first `width` slots are kept. When it is missing or too small, a
+    new buffer with half again the room it needs is allocated and those slots are copied over (amortised O(1)
+    copies per entry, at most a third of the buffer spare). Returns (buffer, view of its slots [0, width + S)).
+    """
+    need = width + new.shape[-2]
+    if buf is None or buf.shape[-2] < need or buf.shape[0] != new.shape[0]:
+        grown = new.new_empty((*new.shape[:2], need + max(need // 2, 64), new.shape[-1]))
+        if width:
+            grown[:, :, :width] = buf[:, :, :width]
+        buf = grown
+    buf[:, :, width:need] = new
+    return buf, buf[:, :, :need]
+
+
+def _is_start_of(view: torch.Tensor, buf: torch.Tensor | None) -> bool:
+    """`view` is the first slots of `buf` (not a tensor that replaced it: `select_rows_`, `merge_`)."""
+    return (buf is not None and view.numel() > 0 and view.data_ptr() == buf.data_ptr()
+            and view.stride() == buf.stride() and view.shape[0] == buf.shape[0])
+
+
 @functools.lru_cache(maxsize=None)
 def preallocated_layer_class():
     """A transformers `DynamicLayer` whose keys/values are views of a buffer with room to spare: a forward writes
-    its new entries by index (gpt-fast's `KVCache.update`) instead of concatenating a fresh copy of the whole
-    cache. The buffer grows by half when full (amortised O(1) copies per entry); a layer whose tensors were replaced
-    (`select_rows_`, `merge_`) starts a new buffer from them."""
+    its new entries by index (`write_at`) instead of concatenating a fresh copy of the whole cache. A layer whose
+    tensors were replaced (`select_rows_`, `merge_`) starts a new buffer from them."""
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
@@ -91,27 +113,11 @@ def preallocated_layer_class():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             width = self.keys.shape[-2] if self.keys.numel() else 0
-            need = width + key_states.shape[-2]
-            if not self._owns(need, key_states.shape[0]):
-                cap = need + max(need // 2, 64)  # 1.5x: amortised O(1) copies, at most half the cache spare
-                kbuf = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
-                vbuf = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
-                if width:
-                    kbuf[:, :, :width], vbuf[:, :, :width] = self.keys, self.values
-                self._kbuf, self._vbuf = kbuf, vbuf
-            self._kbuf[:, :, width:need] = key_states
-            self._vbuf[:, :, width:need] = value_states
-            self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+            if not (_is_start_of(self.keys, self._kbuf) and _is_start_of(self.values, self._vbuf)):
+                self._kbuf, self._vbuf = (self.keys, self.values) if width else (None, None)
+            self._kbuf, self.keys = write_at(self._kbuf, width, key_states)
+            self._vbuf, self.values = write_at(self._vbuf, width, value_states)
             return self.keys, self.values
-
-        def _owns(self, need: int, batch: int) -> bool:
-            """The current keys/values are the start of this layer's buffers, which have room for `need`."""
-            if self._kbuf is None or self._kbuf.shape[-2] < need or self._kbuf.shape[0] != batch:
-                return False
-            if not self.keys.numel():
-                return True
-            return (self.keys.data_ptr() == self._kbuf.data_ptr() and self.values.data_ptr() == self._vbuf.data_ptr()
-                    and self.keys.stride() == self._kbuf.stride())
 
     return PreallocatedLayer
 
@@ -157,41 +163,58 @@ class TargetKV:
 
 
 class DraftKV:
-    """The draft's KV cache for the accepted prefix: one `(k, v)` pair [B, kv_heads, P, d] plus lengths."""
+    """The draft's KV cache: one layer's keys and values [B, kv_heads, width, d] plus every row's valid length.
+
+    Laid out like the target's (rows' committed entries in slots [0, lengths[b]), the rest garbage) and, like
+    it, views of buffers with room to spare written by index: the draft forward appends its entries through
+    `update` (the cache is its `past_kv`), `keep_new_` keeps the committed ones in place, and `truncate_` drops
+    what a tree's levels appended. No call copies the cache, except `select_rows_` / `merge_`.
+    """
 
     def __init__(self, batch_size: int, device):
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self.width = 0  # slots in use, for every row
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
-    def width(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    def k(self) -> torch.Tensor | None:
+        return None if self._kbuf is None else self._kbuf[:, :, :self.width]
 
-    def past(self):
-        return None if self.k is None else (self.k, self.v)
+    @property
+    def v(self) -> torch.Tensor | None:
+        return None if self._vbuf is None else self._vbuf[:, :, :self.width]
 
-    def append_and_keep_(self, new_kv, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
-        """Append a forward's new (k, v) [B, kv, S, d], then keep `keep[b, :n_keep[b]]` of them."""
-        past_width = self.width
-        k, v = new_kv
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a forward's new (k, v) [B, kv, S, d] at slots [width, width + S); return the whole cache."""
+        self._kbuf, keys = write_at(self._kbuf, self.width, k)
+        self._vbuf, values = write_at(self._vbuf, self.width, v)
+        self.width += k.shape[2]
+        return keys, values
+
+    def keep_new_(self, past_width: int, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
+        """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them."""
         new_lengths = self.lengths + n_keep
         width = int(new_lengths.max())
-        self.k = keep_new_(k, self.lengths, past_width, keep, n_keep, width)
-        self.v = keep_new_(v, self.lengths, past_width, keep, n_keep, width)
-        self.lengths = new_lengths
+        keep_new_(self.k, self.lengths, past_width, keep, n_keep, width)  # in place, in the buffers
+        keep_new_(self.v, self.lengths, past_width, keep, n_keep, width)
+        self.width, self.lengths = width, new_lengths
+
+    def truncate_(self, width: int) -> None:
+        """Forget every slot from `width` on (a tree's entries, appended past the committed ones)."""
+        self.width = width
 
     def select_rows_(self, rows: torch.Tensor) -> None:
         self.lengths = self.lengths[rows]
         width = int(self.lengths.max()) if rows.numel() else 0
-        if self.k is not None:
-            self.k, self.v = self.k[rows, :, :width], self.v[rows, :, :width]
+        if self._kbuf is not None:
+            self._kbuf, self._vbuf = self._kbuf[rows, :, :width], self._vbuf[rows, :, :width]
+            self.width = width
 
     def merge_(self, other: "DraftKV") -> None:
         """Append `other`'s rows after this cache's rows (both hold at least one entry per row)."""
-        self.k, self.v = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
+        self._kbuf, self._vbuf = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
+        self.width = self._kbuf.shape[2]
         self.lengths = torch.cat([self.lengths, other.lengths])
 
 

@@ -109,8 +109,18 @@ def draft_tree(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tenso
     """Grow the EAGLE-2 tree for every row.
 
     root_hidden: [B, 1, H] the draft's output at the last accepted position (paired with the root token);
-    root: [B] the root tokens. The draft cache `dkv` holds the accepted prefix and is left unchanged.
+    root: [B] the root tokens. The draft cache `dkv` holds the accepted prefix; the levels append their entries
+    after it and they are dropped at the end, so its committed entries come back unchanged.
     """
+    past_width = dkv.width
+    try:
+        return _grow(draft, dkv, root_hidden, root, config, past_width)
+    finally:
+        dkv.truncate_(past_width)
+
+
+def _grow(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, config: TreeConfig,
+          past_width: int) -> Tree:
     k = config.top_k
     b = root.shape[0]
     device = root.device
@@ -125,17 +135,14 @@ def draft_tree(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tenso
     front_ids = torch.arange(1, k + 1, device=device).expand(b, k)  # candidate ids of the frontier
     front_hidden = root_hidden.expand(b, k, root_hidden.shape[-1])  # what each frontier entry is fed
     front_anc = torch.zeros(b, k, 0, dtype=torch.bool, device=device)  # ancestors among tree entries
-    tree_k, tree_v = [], []
     eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
     for level in range(1, config.depth):
-        # front_*: [B, k]; this level's entries sit at draft position root - 1 + level.
+        # front_*: [B, k]; this level's entries sit at draft position root - 1 + level, in cache slots after
+        # the committed ones and the earlier levels' entries.
         position_ids = (dkv.lengths[:, None] + (level - 1)).expand(b, k)
         new_mask = torch.cat([front_anc, eye], dim=-1)  # [B, k, E+k] over tree entries so far + new
-        mask = attention_allowed(dkv.lengths, dkv.width, new_mask)  # [B, 1, k, P+E+k]
-        past = _past_with_tree(dkv, tree_k, tree_v)
-        out, (nk, nv) = draft(front_hidden, front_tokens, position_ids, attention_mask=mask, past_kv=past)
-        tree_k.append(nk)
-        tree_v.append(nv)
+        mask = attention_allowed(dkv.lengths, past_width, new_mask)  # [B, 1, k, P+E+k]
+        out, _ = draft(front_hidden, front_tokens, position_ids, attention_mask=mask, past_kv=dkv)
 
         child_scores, child_tokens = _topk_logprobs(draft, out, k)  # [B, k, k]
         child_scores = (front_scores[:, :, None] + child_scores).reshape(b, k * k)
@@ -158,14 +165,6 @@ def draft_tree(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tenso
 
     return _rerank(root, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
                    config.size)
-
-
-def _past_with_tree(dkv: DraftKV, tree_k: list, tree_v: list):
-    if not tree_k:
-        return dkv.past()
-    ks = ([dkv.k] if dkv.k is not None else []) + tree_k
-    vs = ([dkv.v] if dkv.v is not None else []) + tree_v
-    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
 def _rerank(root, scores, tokens, parents, size: int) -> Tree:

@@ -97,3 +97,34 @@ def test_tree_scores_equal_per_path_draft(setup):
                 kv = (torch.cat([kv[0], k], 2), torch.cat([kv[1], v], 2))
                 h = out
             assert abs(total - float(tree.score[b, node])) < 1e-5, (b, node, path, total, tree.score[b])
+
+
+@torch.inference_mode()
+def test_the_draft_cache_is_written_in_place_and_a_tree_leaves_it_as_it_was(setup):
+    """Extensions and tree levels write the draft's cache into the spare room of one buffer (no copy of the cache
+    per level or round), a tree gives back the cache it found, and extending a ragged batch round by round holds
+    what one extension over the same features holds."""
+    draft = setup[0]
+    dtype = draft.fc.weight.dtype
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 24, 3 * draft.config.target_hidden_size, generator=g, dtype=dtype)
+    tokens = torch.randint(0, draft.config.target_vocab_size, (2, 24), generator=g)
+    rounds = [[10, 8], [3, 5], [1, 4], [6, 2]]  # features committed per round, per row
+    dkv, done, buffer = DraftKV(2, "cpu"), [0, 0], None
+    for i, n in enumerate(rounds):
+        a, t = torch.zeros(2, max(n), aux.shape[-1], dtype=dtype), torch.zeros(2, max(n), dtype=torch.long)
+        for b in range(2):
+            a[b, :n[b]], t[b, :n[b]] = aux[b, done[b]:done[b] + n[b]], tokens[b, done[b]:done[b] + n[b]]
+            done[b] += n[b]
+        hidden = draft_extend(draft, dkv, a, t, torch.tensor(n))
+        buffer = buffer or dkv.k.data_ptr()
+        width, k, v = dkv.width, dkv.k.clone(), dkv.v.clone()
+        draft_tree(draft, dkv, hidden, torch.tensor([3, 4]), TreeConfig(3, 4, 12))
+        assert dkv.width == width and torch.equal(dkv.k, k) and torch.equal(dkv.v, v)
+    assert dkv.k.data_ptr() == buffer  # one buffer all along
+    assert dkv.lengths.tolist() == done
+    whole = DraftKV(2, "cpu")
+    draft_extend(draft, whole, aux[:, :max(done)], tokens[:, :max(done)], torch.tensor(done))
+    for b in range(2):
+        torch.testing.assert_close(dkv.k[b, :, :done[b]], whole.k[b, :, :done[b]])
+        torch.testing.assert_close(dkv.v[b, :, :done[b]], whole.v[b, :, :done[b]])
