@@ -12,9 +12,9 @@ numbers of valid entries. The layout used here keeps that cheap and exact:
   `[lengths[b], lengths[b] + n_keep[b])` and drops the rest, so the tree part never survives a round.
 
 Slots between `lengths[b]` and P are garbage for row b and are never attended to. The same functions
-serve the target (a transformers `DynamicCache` of preallocated layers: a forward writes its entries by index
-into a buffer with spare room, and `keep_new_` rewrites the buffer in place) and the
-draft (a single `(k, v)` pair that the caller owns, as the draft contract requires).
+serve the target (a transformers `DynamicCache` of preallocated layers) and the draft (`DraftKV`, its one
+layer, passed to the draft forward as `past_kv`): a forward writes its entries by index into a buffer with
+spare room (`write_at`), and `keep_new_` rewrites the buffer in place.
 """
 
 from __future__ import annotations
