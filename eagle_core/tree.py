@@ -104,7 +104,7 @@ def _topk_logprobs(draft, out_hidden: torch.Tensor, k: int):
     return scores, draft.draft_to_target(ids)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a cache buffer grown here must stay writable outside it
 def draft_tree(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, config: TreeConfig) -> Tree:
     """Grow the EAGLE-2 tree for every row.
 

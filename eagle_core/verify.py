@@ -115,7 +115,7 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int]
     return sample_tokens(logits[:, None], sampling, seeds, pos)[:, 0]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # see draft_tree: the target cache may grow here
 def verify_hidden(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | None):
     """Target forward over the flattened tree, up to the lm_head: (hidden [B, N, H], aux [B, N, 3H] or None).
 
@@ -195,7 +195,7 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: li
     return accept_sampling(tree, logits, sampling, seeds, root_positions)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def accept_on_path(target, tree: Tree, hidden: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
                    root_positions: torch.Tensor | None = None) -> Acceptance:
     """`accept(tree, lm_logits(target, hidden), ...)` with the lm_head applied only where acceptance looks.

@@ -78,6 +78,28 @@ def test_mixed_modes_select_and_merge_equal_plain(damped, sampling):
         assert tokens[:n] == plain[i][:n] and n >= (20 if i != 1 else 2)
 
 
+def test_decoding_under_no_grad_grows_its_caches_and_equals_plain(damped):
+    """The decoding state under `torch.no_grad()`, not only inference mode: trees wide enough to outgrow both
+    caches' spare room inside a round (a buffer made there must stay writable by the plain steps and draft
+    extensions that follow) still give plain decoding's tokens."""
+    prompts = random_prompts(2, 512, seed=7)
+    plain = generate(damped, prompts, max_new_tokens=60).tokens
+    with torch.no_grad():
+        state, step = DecodingState.prefill(damped, echo_draft(damped), prompts, SamplingConfig(), TreeConfig(10, 8, 80))
+        out = [list(t) for t in step.tokens]
+        buffers = lambda: (state.kv.cache.layers[0].keys.data_ptr(), state.dkv.k.data_ptr())  # noqa: E731
+        first = buffers()
+        for mode in ["tree", "plain", "tree", "chain", "tree", "plain", "tree"] * 2:
+            for row, tokens in zip(out, state.step(mode).tokens):
+                row += tokens
+            if mode == "tree" and first is not None:
+                assert all(a != b for a, b in zip(first, buffers()))  # both caches moved to bigger buffers
+                first = None
+    for tokens, reference in zip(out, plain):
+        n = min(len(tokens), len(reference))
+        assert tokens[:n] == reference[:n] and n >= 20
+
+
 class _Tokenizer:
     eos_token_id = None
 
