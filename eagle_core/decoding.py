@@ -70,8 +70,8 @@ def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tens
     steps = torch.arange(s, device=aux.device)[None, :]
     hidden = draft.fuse(aux)  # [B, S, H]
     position_ids = dkv.lengths[:, None] + steps
-    mask = attention_allowed(dkv.lengths, dkv.width, causal_mask(steps < n_new[:, None]))
     past_width = dkv.width
+    mask = attention_allowed(dkv.lengths, past_width, causal_mask(steps < n_new[:, None]))
     out, _ = draft(hidden, next_tokens, position_ids, attention_mask=mask, past_kv=dkv)
     dkv.keep_new_(past_width, steps.expand(b, s), n_new)
     return out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))
