@@ -64,7 +64,22 @@ def champion_step(args) -> None:
     say(f"[demo] registered the shipped draft {folder.name} as {REGISTERED_MODEL} version {version} @champion")
 
 
-def retrain_step(args, work: str) -> dict:
+def machine_sizes(rows: int) -> dict:
+    """How the demo spreads over the machine. Ray gives an actor or a task as many torch threads as whole CPUs
+    it holds (OMP_NUM_THREADS), so each stage asks for what it can use (measured in docs/DESIGN.md §4.2):
+    extraction runs one single-threaded target copy per core (per GPU where the cluster has GPUs; at least 8
+    rows each), two shards per copy so that the copies finish together, a shard's conversations regenerated
+    as one batch; training, evaluation and serving hold every core of one node."""
+    import ray
+
+    node_cpus = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=1)
+    cores = max(1, min(os.cpu_count() or 1, int(node_cpus)))
+    workers = max(1, min(int(ray.cluster_resources().get("GPU", 0)) or cores, rows // 8))
+    rows_per_shard = max(1, min(16, -(-rows // (2 * workers))))
+    return {"cores": float(cores), "extract_workers": workers, "rows_per_shard": rows_per_shard}
+
+
+def retrain_step(args, work: str, sizes: dict) -> dict:
     import ray
 
     from pipelines.retrain import RetrainConfig, run_retrain
@@ -73,12 +88,13 @@ def retrain_step(args, work: str) -> dict:
     config = RetrainConfig(
         corpus=args.corpus, scales=[args.rows], work=f"{work}/demo", target=args.target,
         registered_model=REGISTERED_MODEL, eval_count=args.eval_count, eval_max_new_tokens=args.answer_tokens,
-        eval_cpus=float(os.cpu_count() or 1),  # evaluation runs as a Ray task: with every core, as the user decodes
+        eval_cpus=sizes["cores"],
         extract={"max_length": args.max_length, "regenerate": True, "max_new_tokens": args.max_new_tokens,
-                 "rows_per_shard": 8, "regen_batch_size": 8, "cpus_per_worker": 1.0,
+                 "num_workers": sizes["extract_workers"], "cpus_per_worker": 1.0,
+                 "rows_per_shard": sizes["rows_per_shard"], "regen_batch_size": sizes["rows_per_shard"],
                  "mlflow_experiment": "eagle3-extract"},
         train={"epochs": args.train_epochs, "tokens_per_batch": 2048, "eval_fraction": 0.1,
-               "mlflow_experiment": "eagle3-train"})
+               "cpus_per_worker": sizes["cores"], "mlflow_experiment": "eagle3-train"})
     result = run_retrain(config)["scales"][0]
     verdict = "promoted to champion" if result["promoted"] else "kept as candidate (not better)"
     say(f"[demo] candidate version {result['version']}: tau {result['tau']:.2f} vs champion "
@@ -86,14 +102,14 @@ def retrain_step(args, work: str) -> dict:
     return result
 
 
-def serve_step(args, draft_uri: str) -> list[dict]:
+def serve_step(args, draft_uri: str, sizes: dict) -> list[dict]:
     import httpx
     from ray import serve
 
     from pipelines.serve.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app = build_app({"target": args.target, "draft": draft_uri, "num_cpus": 1.0})
+    app = build_app({"target": args.target, "draft": draft_uri, "num_cpus": sizes["cores"]})
     serve.run(app, name="eagle3-demo", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{args.port}"
     deadline = time.time() + 300
@@ -149,10 +165,13 @@ def run(args, work: str) -> None:
     champion_step(args)
 
     banner("3/5 retrain: extract fresh data, train a candidate from the champion, evaluate both, promote")
-    result = retrain_step(args, work)
+    sizes = machine_sizes(args.rows)
+    say(f"[demo] {sizes['cores']:.0f} cores: {sizes['extract_workers']} extraction actor(s) of one thread each, "
+        f"{sizes['rows_per_shard']} rows per shard; training, evaluation and serving on {sizes['cores']:.0f} threads")
+    result = retrain_step(args, work, sizes)
 
     banner("4/5 serve: target + champion draft on Ray Serve at 127.0.0.1, OpenAI-compatible chat")
-    serve_step(args, f"models:/{REGISTERED_MODEL}@champion")
+    serve_step(args, f"models:/{REGISTERED_MODEL}@champion", sizes)
 
     banner("5/5 result")
     say(result_line(result))
