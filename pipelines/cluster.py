@@ -30,3 +30,21 @@ def alive_nodes() -> int:
     import ray
 
     return sum(1 for node in ray.nodes() if node["Alive"]) if ray.is_initialized() else 1
+
+
+def use_assigned_cpus() -> int:
+    """Give torch as many threads as whole CPUs Ray assigned to the calling task or actor; returns the count.
+
+    Ray sets OMP_NUM_THREADS when it starts a worker process, but a pooled worker that already imported torch
+    for an earlier, smaller task keeps the thread count torch read then: a 2-CPU evaluation task could run on
+    one thread. Outside a Ray task or actor (or with no CPU assigned) torch is left as it is.
+    """
+    import ray
+    import torch
+
+    context = ray.get_runtime_context() if ray.is_initialized() else None
+    if context is not None and context.worker.mode == ray.WORKER_MODE:  # a task or actor, not a driver
+        cpus = context.get_assigned_resources().get("CPU", 0)
+        if cpus >= 1:
+            torch.set_num_threads(int(cpus))
+    return torch.get_num_threads()

@@ -120,8 +120,10 @@ class Extractor:
 
     def __init__(self, config: dict, write: bool = True):
         from eagle_core.target import default_device, device_map_for, load_target, resolve_aux_layer_ids
+        from pipelines.cluster import use_assigned_cpus
         from pipelines.regenerate import OpenAIReplies, parse_regenerate_with
 
+        use_assigned_cpus()
         self.config = ExtractConfig(**config)
         self.write = write
         # An actor given several GPUs holds one target copy spread over them (a target larger than one GPU).

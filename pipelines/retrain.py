@@ -214,7 +214,9 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, prompts, tracking_uri
     the comparison is fair)."""
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import default_device, load_target
+    from pipelines.cluster import use_assigned_cpus
 
+    use_assigned_cpus()
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the driver's store: the registry URIs resolve through it
     target, tokenizer = load_target(config.target, device=default_device())
     return {name: evaluate_draft(target, tokenizer, load_draft(resolve_source(source), target=target), prompts, config)

@@ -44,7 +44,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     # ---- HTTP ------------------------------------------------------------------------------------------
     api_key: str | None = None  # bearer token; None = no auth (loopback only by default)
-    torch_threads: int = 0  # 0 = leave torch's default
+    torch_threads: int = 0  # 0 = the whole CPUs Ray assigned to the replica (outside Ray: torch's default)
 
     def __post_init__(self):
         self.engine  # validates the tree (top_k / depth / total_tokens) and the batching fields

@@ -29,6 +29,10 @@ class Service:
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
+        else:
+            from pipelines.cluster import use_assigned_cpus
+
+            use_assigned_cpus()  # a Serve replica: the CPUs its deployment asked for
         self.config = config
         from eagle_core.target import device_map_for
 

@@ -90,6 +90,9 @@ def setup(loop_config: dict) -> Run:
     import ray.train
     import ray.train.torch
 
+    from pipelines.cluster import use_assigned_cpus
+
+    use_assigned_cpus()
     config, meta = TrainJobConfig(**loop_config["job"]), loop_config["meta"]
     plan = TrainPlan.from_json(loop_config["plan"])
     rank, world = world_info()
