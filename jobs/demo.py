@@ -5,7 +5,7 @@
     evaluate both by real decoding on the same prompts, promote the candidate only if it is better -> serve
     the champion on Ray Serve (127.0.0.1), chat over HTTP -> tau and the speed-up over plain decoding.
 
-    python -m jobs.demo                 # about 15 min on 2 CPU cores
+    python -m jobs.demo                 # about 10 min on 2 CPU cores
     python -m jobs.demo --rows 400 --train-epochs 4 --max-new-tokens 256   # a larger run, a flag away
 
 The terminal shows the stages, progress and results; the full log (Ray, MLflow, workers) goes to
