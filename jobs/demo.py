@@ -65,18 +65,23 @@ def champion_step(args) -> None:
 
 
 def machine_sizes(rows: int) -> dict:
-    """How the demo spreads over the machine. Ray gives an actor or a task as many torch threads as whole CPUs
-    it holds (OMP_NUM_THREADS), so each stage asks for what it can use (measured in docs/DESIGN.md §4.2):
-    extraction runs one single-threaded target copy per core (per GPU where the cluster has GPUs; at least 8
-    rows each), two shards per copy so that the copies finish together, a shard's conversations regenerated
-    as one batch; training, evaluation and serving hold every core of one node."""
+    """How the demo spreads over the machine. torch runs as many threads as whole CPUs Ray gives the task or
+    actor, so each stage asks for what it can use (measured in docs/DESIGN.md §4.2): extraction runs one
+    single-threaded target copy per core (per GPU where the cluster has GPUs; at least 8 rows each), two shards
+    per copy while shards stay within 16 rows, a shard's conversations regenerated as one batch; evaluation and
+    serving hold every core of one node (of one GPU node where there are GPUs), training all but one CPU of it,
+    which its data readers need."""
     import ray
 
-    node_cpus = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=1)
-    cores = max(1, min(os.cpu_count() or 1, int(node_cpus)))
-    workers = max(1, min(int(ray.cluster_resources().get("GPU", 0)) or cores, rows // 8))
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"] and (not gpus or n["Resources"].get("GPU", 0) >= 1)]
+    node_cpus = int(max((r.get("CPU", 0) for r in nodes), default=1))
+    here = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = max(1, min(here, node_cpus))
+    workers = max(1, min(gpus or cores, rows // 8))
     rows_per_shard = max(1, min(16, -(-rows // (2 * workers))))
-    return {"cores": float(cores), "extract_workers": workers, "rows_per_shard": rows_per_shard}
+    return {"cores": float(cores), "train_cpus": float(max(1, min(cores, node_cpus - 1))),
+            "extract_workers": workers, "rows_per_shard": rows_per_shard}
 
 
 def retrain_step(args, work: str, sizes: dict) -> dict:
@@ -94,7 +99,7 @@ def retrain_step(args, work: str, sizes: dict) -> dict:
                  "rows_per_shard": sizes["rows_per_shard"], "regen_batch_size": sizes["rows_per_shard"],
                  "mlflow_experiment": "eagle3-extract"},
         train={"epochs": args.train_epochs, "tokens_per_batch": 2048, "eval_fraction": 0.1,
-               "cpus_per_worker": sizes["cores"], "mlflow_experiment": "eagle3-train"})
+               "cpus_per_worker": sizes["train_cpus"], "mlflow_experiment": "eagle3-train"})
     result = run_retrain(config)["scales"][0]
     verdict = "promoted to champion" if result["promoted"] else "kept as candidate (not better)"
     say(f"[demo] candidate version {result['version']}: tau {result['tau']:.2f} vs champion "
@@ -167,7 +172,8 @@ def run(args, work: str) -> None:
     banner("3/5 retrain: extract fresh data, train a candidate from the champion, evaluate both, promote")
     sizes = machine_sizes(args.rows)
     say(f"[demo] {sizes['cores']:.0f} cores: {sizes['extract_workers']} extraction actor(s) of one thread each, "
-        f"{sizes['rows_per_shard']} rows per shard; training, evaluation and serving on {sizes['cores']:.0f} threads")
+        f"{sizes['rows_per_shard']} rows per shard; training on {sizes['train_cpus']:.0f} threads, evaluation and "
+        f"serving on {sizes['cores']:.0f}")
     result = retrain_step(args, work, sizes)
 
     banner("4/5 serve: target + champion draft on Ray Serve at 127.0.0.1, OpenAI-compatible chat")

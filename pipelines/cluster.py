@@ -35,9 +35,9 @@ def alive_nodes() -> int:
 def use_assigned_cpus() -> int:
     """Give torch as many threads as whole CPUs Ray assigned to the calling task or actor; returns the count.
 
-    Ray sets OMP_NUM_THREADS when it starts a worker process, but a pooled worker that already imported torch
-    for an earlier, smaller task keeps the thread count torch read then: a 2-CPU evaluation task could run on
-    one thread. Outside a Ray task or actor (or with no CPU assigned) torch is left as it is.
+    Ray sets OMP_NUM_THREADS per task, but torch reads it once per process: a pooled worker that imported torch
+    for an earlier, smaller task keeps that thread count, and a 2-CPU evaluation task could run on one thread.
+    (This also overrides an OMP_NUM_THREADS the user set for Ray's workers: the task's CPUs are what it holds.) Outside a Ray task or actor (or with no CPU assigned) torch is left as it is.
     """
     import ray
     import torch

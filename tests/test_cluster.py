@@ -27,3 +27,36 @@ def test_outside_a_task_torch_is_left_as_it_is(ray_cluster):
         assert use_assigned_cpus() == 1  # the driver holds no CPUs of its own: nothing to follow
     finally:
         torch.set_num_threads(before)
+
+
+def fake_cluster(monkeypatch, nodes: list[dict], cores_here: int):
+    import os
+
+    import ray
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": r} for r in nodes])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {k: sum(r.get(k, 0) for r in nodes) for k in ("CPU", "GPU")})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores_here)), raising=False)
+
+
+def test_the_demo_uses_every_core_of_a_local_machine(monkeypatch):
+    from jobs.demo import machine_sizes
+
+    fake_cluster(monkeypatch, [{"CPU": 4}], cores_here=2)  # connect() declares 2x the cores
+    sizes = machine_sizes(40)
+    assert sizes == {"cores": 2.0, "train_cpus": 2.0, "extract_workers": 2, "rows_per_shard": 10}
+    assert machine_sizes(5)["extract_workers"] == 1  # a copy per core only with >= 8 rows for each
+
+
+def test_the_demo_never_asks_a_node_for_what_it_does_not_have(monkeypatch):
+    from jobs.demo import machine_sizes
+
+    fake_cluster(monkeypatch, [{"CPU": 2}], cores_here=2)  # `ray start` on this machine: CPUs = cores
+    sizes = machine_sizes(40)
+    assert sizes["cores"] == 2 and sizes["train_cpus"] == 1  # training's data readers keep a CPU
+
+    # a big CPU-only head beside two 8-CPU GPU nodes: GPU stages must fit on a GPU node
+    fake_cluster(monkeypatch, [{"CPU": 32}, {"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}], cores_here=64)
+    sizes = machine_sizes(400)
+    assert sizes["cores"] == 8 and sizes["train_cpus"] == 7 and sizes["extract_workers"] == 2
+    assert sizes["rows_per_shard"] == 16  # shards stay small enough to regenerate as one batch
