@@ -73,11 +73,12 @@ def machine_sizes(rows: int) -> dict:
     which its data readers need."""
     import ray
 
+    from pipelines.cluster import local_cores
+
     gpus = int(ray.cluster_resources().get("GPU", 0))
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"] and (not gpus or n["Resources"].get("GPU", 0) >= 1)]
     node_cpus = int(max((r.get("CPU", 0) for r in nodes), default=1))
-    here = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = max(1, min(here, node_cpus))
+    cores = max(1, min(local_cores(), node_cpus))
     workers = max(1, min(gpus or cores, rows // 8))
     rows_per_shard = max(1, min(16, -(-rows // (2 * workers))))
     return {"cores": float(cores), "train_cpus": float(max(1, min(cores, node_cpus - 1))),

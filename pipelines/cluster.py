@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 
 
+def local_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and `taskset` narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def connect(address: str | None = None, num_cpus: int | None = None):
     """`ray.init` that works under `ray job submit` (RAY_ADDRESS set), with an address, or standalone.
 
@@ -20,7 +25,7 @@ def connect(address: str | None = None, num_cpus: int | None = None):
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        cpus = num_cpus or max(4, 2 * (os.cpu_count() or 1))
+        cpus = num_cpus or max(4, 2 * local_cores())
         ray.init(address="local", num_cpus=cpus, include_dashboard=False)
     return ray
 
