@@ -23,7 +23,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, help: dict | N
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         flag = "--" + f.name.replace("_", "-")
-        text = (help or {}).get(f.name, f.metadata.get("help", ""))
+        # argparse prints nothing, not even the default, for an option with empty help
+        text = (help or {}).get(f.name, f.metadata.get("help", "")) or "default: %(default)s"
         kind = _parser_type(f, hints)
         if kind is None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)

@@ -30,6 +30,16 @@ def test_bad_answers_value_is_refused():
         DistillConfig(answers="teacher")
 
 
+def test_help_lists_every_option_with_its_default(capsys):
+    from jobs.distill import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--lr LR default: 0.001" in text
+    assert "--first-conversation FIRST_CONVERSATION default: 0" in text
+
+
 @pytest.mark.slow
 def test_regenerated_answers_differ_from_the_corpus_and_keep_the_prompts(tmp_path):
     corpus = Distiller(config(tmp_path))
