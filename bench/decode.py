@@ -291,7 +291,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_models(draft_path: str, dtype: torch.dtype):
     """(target, tokenizer, draft in eval mode, eos ids as a list), both models in `dtype`."""
     model, tokenizer = load_target("smollm2-135m", device="cpu", dtype=dtype)
-    draft = load_draft(draft_path, target=model, dtype=dtype)
+    draft = load_draft(draft_path, target=model)  # in the target's dtype
     draft.eval()
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])

@@ -62,7 +62,7 @@ def measure_tau(draft_dir: Path, args) -> dict:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype("auto", "cpu")
     target, tok = load_target("smollm2-135m", device="cpu", dtype=dtype)
-    draft = load_draft(draft_dir, target=target, device="cpu", dtype=dtype).eval()
+    draft = load_draft(draft_dir, target=target).eval()
     accepted = rounds = 0
     for messages in load_eval_prompts("mtbench", args.num_prompts):
         out = generate(target, [prompt_ids(tok, messages)], draft=draft, tree=TreeConfig(8, 6, 32), mode="tree",

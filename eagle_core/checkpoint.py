@@ -359,7 +359,9 @@ def load_draft(folder, target=None, device=None, dtype=None, convention: str | N
     shares the target's embeddings, they are attached. Without it such a draft has zero embeddings until
     `draft.set_target_embeddings(...)` is called (a warning says so). `convention` ("sglang"/"specforge" or
     "vllm") says how a checkpoint trained elsewhere counts its aux layer ids; ours carry a marker instead.
-    `folder` is a local path or any fsspec URL (fetched once per node into the cache).
+    `folder` is a local path or any fsspec URL (fetched once per node into the cache). `device` and `dtype`
+    default to the target's when it is given (a bf16 target gets a bf16 draft), else to the checkpoint's place
+    as loaded (CPU, float32).
     """
     folder = local_folder(folder)
     data, config = read_config(folder, convention)
@@ -373,7 +375,9 @@ def load_draft(folder, target=None, device=None, dtype=None, convention: str | N
     check_vocab_mapping(draft.d2t, draft.t2d)
     if "embed_tokens.weight" not in tensors:
         _attach_target_embeddings(draft, target, folder)
-    device = device or (target.get_input_embeddings().weight.device if target is not None else None)
+    if target is not None:  # the draft runs beside the target: its device and dtype unless told otherwise
+        device = device or target.get_input_embeddings().weight.device
+        dtype = dtype or target.get_input_embeddings().weight.dtype
     if device is not None or dtype is not None:
         draft.to(device=device, dtype=dtype)
     return draft

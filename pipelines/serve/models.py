@@ -28,8 +28,7 @@ def load_models(target: str, draft: str | None = None, device: str | None = None
     model, tokenizer = load_target(resolve_source(target), device=device, dtype=dtype, device_map=device_map)
     draft_model = None
     if draft:
-        device = model.get_input_embeddings().weight.device
-        dtype_ = model.get_input_embeddings().weight.dtype
-        draft_model = load_draft(resolve_source(draft), target=model, device=device, dtype=dtype_).eval()
+        # beside the target's embeddings, in its dtype (load_draft's default with a target)
+        draft_model = load_draft(resolve_source(draft), target=model).eval()
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     return LoadedModels(model, tokenizer, draft_model, context)
