@@ -19,6 +19,7 @@ spare room (`write_at`), and `keep_new_` rewrites the buffer in place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -35,6 +36,80 @@ def attention_bias(lengths: torch.Tensor, past_width: int, new_mask: torch.Tenso
     allowed = attention_allowed(lengths, past_width, new_mask)
     bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+# Up to this many new tokens, a reduced-precision CPU forward computes attention with two matmuls on the kv heads.
+SMALL_QUERY = 64
+
+
+def use_small_query_attention(query: torch.Tensor) -> bool:
+    """Whether `small_query_attention` serves this query [B, H, S, D]: a CPU tensor in bf16/fp16 with few tokens.
+
+    On such a CPU, SDPA's flash kernel for a handful of queries costs more than the arithmetic (measured on a
+    2-core avx512_bf16 EPYC, SmolLM2 over a 300-token cache: a 9-token bf16 forward 62 ms with SDPA, 46 ms
+    with two matmuls; the 1-token step 55 -> 42 ms), and transformers' SDPA path copies the whole cache
+    per layer to repeat the kv heads whenever a mask is given. float32 keeps SDPA, transformers' own kernel:
+    the reference arithmetic, bit-identical to its greedy decoding. GPUs keep SDPA too.
+    """
+    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] <= SMALL_QUERY
+
+
+def small_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for grouped-query attention, without repeating the cache per query head.
+
+    query [B, H, S, D]; key, value [B, Hkv, P, D] with H a multiple of Hkv (query head h reads kv head
+    h // (H / Hkv), as transformers' `repeat_kv`); mask: None, bool (True = may attend) or additive, [B or 1,
+    1, S, >= P]. The query heads of one kv head are folded into its rows, so each kv head is read once, by a
+    batched matmul. Softmax in float32 at least, as transformers' eager attention. Returns [B, H, S, D].
+    """
+    b, h, s, d = query.shape
+    hkv, p = key.shape[1], key.shape[2]
+    g = h // hkv
+    scores = torch.matmul(query.reshape(b, hkv, g * s, d), key.transpose(2, 3)).view(b, hkv, g, s, p) * scale
+    if mask is not None:
+        mask = mask[..., :p][:, :, None]  # [B, 1, 1, S, P]: the same for every head
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    probs = probs.to(query.dtype).view(b, hkv, g * s, p)
+    return torch.matmul(probs, value).view(b, h, s, d)
+
+
+def _transformers_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-interface adapter of `small_query_attention`, falling back to its SDPA."""
+    if use_small_query_attention(query) and not (dropout and module.training):
+        out = small_query_attention(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None
+                                    else scaling)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+SMALL_QUERY_ATTENTION = "eagle3_small_query"
+
+
+@functools.lru_cache(maxsize=None)
+def _register_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SMALL_QUERY_ATTENTION, _transformers_attention)
+    return SMALL_QUERY_ATTENTION
+
+
+@contextlib.contextmanager
+def our_attention(decoder):
+    """Within it, a decoder loaded with SDPA attends through `_transformers_attention` (`target_forward` only:
+    `model.generate` keeps transformers' own kernels, the benchmark's baseline)."""
+    config = decoder.config
+    if config._attn_implementation != "sdpa":  # flash-attention, eager, ...: the user's choice stands
+        yield
+        return
+    config._attn_implementation = _register_attention()
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def attention_allowed(lengths: torch.Tensor, past_width: int, new_mask: torch.Tensor) -> torch.Tensor:
@@ -252,7 +327,7 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
 
     decoder = target.model
     bias = attention_bias(kv.lengths, kv.width, new_mask, decoder.embed_tokens.weight.dtype)
-    with record_hidden_states(target, aux_layer_ids or []) as rec:
+    with record_hidden_states(target, aux_layer_ids or []) as rec, our_attention(decoder):
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=bias, use_cache=True,
                       **{_cache_kwarg(decoder): kv.cache})
     aux = torch.cat(rec["aux"], dim=-1) if aux_layer_ids else None

@@ -91,6 +91,27 @@ def test_explicit_mask_hides_entries(tiny_target):
     assert causal_mask_with_cache(2, 5, "cpu").tolist() == [[[[True] * 4 + [False], [True] * 5]]]
 
 
+def test_bf16_draft_on_cpu_attends_through_small_query_attention(tiny_target, monkeypatch):
+    """A bf16 draft step on a CPU (cache + tree mask) takes the two-matmul attention and agrees with float32."""
+    import eagle_core.kv as kv_module
+
+    calls = []
+    monkeypatch.setattr("eagle_core.draft.small_query_attention",
+                        lambda *a: calls.append(a[0].dtype) or kv_module.small_query_attention(*a))
+    draft = _draft(tiny_target).eval()
+    hidden, ids, pos = _inputs(draft, s=8)
+    mask = torch.ones(2, 1, 3, 8, dtype=torch.bool)
+    mask[:, :, 1, 6] = mask[:, :, 0, 6:] = False  # tree-like: not every new entry sees the others
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        d = _draft(tiny_target).to(dtype).eval()
+        with torch.no_grad():
+            _, kv = d(hidden[:, :5].to(dtype), ids[:, :5], pos[:, :5])
+            out[dtype], _ = d(hidden[:, 5:].to(dtype), ids[:, 5:], pos[:, 5:], attention_mask=mask, past_kv=kv)
+    assert calls == [torch.bfloat16, torch.bfloat16]  # float32 keeps SDPA
+    torch.testing.assert_close(out[torch.bfloat16].float(), out[torch.float32], rtol=0.05, atol=0.05)
+
+
 def test_vocab_mapping_and_logits(tiny_target):
     draft = _draft(tiny_target, draft_vocab_size=4)
     draft.set_vocab(torch.tensor([3, 3, 5, 10]), torch.zeros(512, dtype=torch.bool).index_fill_(

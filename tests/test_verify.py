@@ -6,7 +6,7 @@ import torch
 from decode_helpers import random_prompts, single_thread  # noqa: F401 (autouse fixture)
 from eagle_core.decoding import prefill
 from eagle_core.generate import generate
-from eagle_core.kv import TargetKV
+from eagle_core.kv import TargetKV, small_query_attention
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import tree_from_parents
 from eagle_core.verify import (SamplingConfig, accept_greedy, accept_sampling, target_probs, verify_tree)
@@ -47,6 +47,52 @@ def test_tree_logits_equal_plain_forward_of_each_path(target):
             seq = prompts[b] + tokens[b, path_to(parents[b].tolist(), node)].tolist()
             ref = target(torch.tensor([seq])).logits[0, -1]
             torch.testing.assert_close(logits[b, node], ref, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("mask", ["bool", "additive", "shared", None])
+@pytest.mark.parametrize("new_tokens", [1, 9])
+def test_small_query_attention_is_grouped_query_attention(mask, new_tokens):
+    """The two-matmul attention of reduced-precision CPU forwards = SDPA with repeated kv heads (float64)."""
+    g = torch.Generator().manual_seed(new_tokens)
+    q = torch.randn(2, 6, new_tokens, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 30, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    allowed = torch.rand(2 if mask != "shared" else 1, 1, new_tokens, 30, generator=g) > 0.4
+    allowed[..., -1] = True
+    m = {"bool": allowed, "shared": allowed, None: None,
+         "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30)}[mask]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=m)
+    torch.testing.assert_close(small_query_attention(q, k, v, m, 8 ** -0.5), ref, rtol=0, atol=1e-12)
+
+
+@torch.inference_mode()
+def test_bf16_cpu_forward_uses_small_query_attention_and_agrees_with_transformers(monkeypatch):
+    """A bf16 tree verification on CPU attends through `small_query_attention` (every layer), its logits agree
+    with transformers' own SDPA forward of the same tree to bf16 rounding, and the model keeps SDPA
+    for everything else (`generate` of transformers, the benchmark's baseline)."""
+    import eagle_core.kv as kv_module
+
+    calls = []
+    original = kv_module.small_query_attention
+    monkeypatch.setattr(kv_module, "small_query_attention", lambda *a: calls.append(a[0].shape) or original(*a))
+    model = make_tiny_llama(dtype=torch.bfloat16)
+    prompts = random_prompts(2, 512, seed=6)
+    parents, tokens = random_tree(2, 9, 512, seed=7)
+    logits = {}
+    for attention in ("ours", "sdpa"):
+        if attention == "sdpa":
+            monkeypatch.setattr(kv_module, "use_small_query_attention", lambda q: False)
+        kv = TargetKV(2, "cpu")
+        prefill(model, kv, prompts, None)
+        calls.clear()
+        logits[attention], _ = verify_tree(model, kv, tree_from_parents(tokens, parents), None)
+        if attention == "ours":
+            assert calls == [(2, 4, 9, 16)] * model.config.num_hidden_layers  # the tree's forward, every layer
+    assert not calls
+    assert model.config._attn_implementation == "sdpa"
+    assert logits["ours"].dtype == torch.float32  # logits upcast as transformers' generate does
+    torch.testing.assert_close(logits["ours"], logits["sdpa"], rtol=0, atol=0.05)
+    assert (logits["ours"].argmax(-1) == logits["sdpa"].argmax(-1)).float().mean() > 0.9
 
 
 @torch.inference_mode()
