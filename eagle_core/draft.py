@@ -391,7 +391,7 @@ class Eagle3Draft(nn.Module):
             keys, values = past_kv.update(k, v)
         if attention_mask is None:
             attention_mask = causal_mask_with_cache(q.shape[2], keys.shape[2], q.device)
-        if use_small_query_attention(q):  # bf16 on a CPU, a few tokens: two matmuls (see eagle_core.kv)
+        if use_small_query_attention(q):  # bf16 on a CPU, 2-64 tokens: two matmuls (see eagle_core.kv)
             out = small_query_attention(q, keys, values, attention_mask, self.config.head_dim ** -0.5)
         else:
             # SDPA's own grouped-query support reads each kv head for its query heads: no repeated copy of the

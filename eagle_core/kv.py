@@ -38,20 +38,24 @@ def attention_bias(lengths: torch.Tensor, past_width: int, new_mask: torch.Tenso
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-# Up to this many new tokens, a reduced-precision CPU forward computes attention with two matmuls on the kv heads.
+# From 2 up to this many new tokens, a reduced-precision CPU forward computes attention with two matmuls on the
+# kv heads.
 SMALL_QUERY = 64
 
 
 def use_small_query_attention(query: torch.Tensor) -> bool:
-    """Whether `small_query_attention` serves this query [B, H, S, D]: a CPU tensor in bf16/fp16 with few tokens.
+    """Whether `small_query_attention` serves this query [B, H, S, D]: a CPU tensor in bf16/fp16, 2 <= S <= 64.
 
-    On such a CPU, SDPA's flash kernel for a handful of queries costs more than the arithmetic (measured on a
-    2-core avx512_bf16 EPYC, SmolLM2 over a 300-token cache: a 9-token bf16 forward 62 ms with SDPA, 46 ms
-    with two matmuls; the 1-token step 55 -> 42 ms), and transformers' SDPA path copies the whole cache
-    per layer to repeat the kv heads whenever a mask is given. float32 keeps SDPA, transformers' own kernel:
-    the reference arithmetic, bit-identical to its greedy decoding. GPUs keep SDPA too.
+    For a few queries with a mask, transformers' SDPA path copies the whole cache per layer to repeat the kv
+    heads, and SDPA's CPU kernel is tuned for long queries. Measured (SmolLM2 bf16 verify over a 300-token
+    cache, 2-core avx512_bf16 EPYC, calls interleaved one by one, medians of 60): 2 threads 26.2 / 30.1 /
+    32.7 ms at 2 / 9 / 16 tokens against SDPA's 26.2 / 30.4 / 33.9; 1 thread 39.7 / 45.7 against 42.2 / 49.4
+    at 9 / 16. One query keeps SDPA (transformers then folds the query heads itself: 24.4 against 25.8 ms).
+    float32 keeps SDPA, transformers' own kernel: the reference arithmetic, bit-identical to its greedy
+    decoding. GPUs keep SDPA too.
     """
-    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] <= SMALL_QUERY
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and 2 <= query.shape[2] <= SMALL_QUERY)
 
 
 def small_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
