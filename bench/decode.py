@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
-from eagle_core.autotune import autotune, measure_draft, measure_target_forward
+from eagle_core.autotune import autotune, draft_cases, target_forward_cases, timed
 from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
 from eagle_core.decoding import plain_step, prefill
@@ -192,7 +192,13 @@ def cost_markdown(costs: dict) -> list[str]:
             cells = " | ".join(f"{c[key][str(w)]:.1f}" for w in COST_WIDTHS)
             extra = f" | {c['plain_step_ms']:.1f} | {c['draft_level_ms']:.1f}" if key == "verify_ms" else " | | "
             lines.append(f"| {tag} | {name} | {cells}{extra} |")
-    return lines + [""]
+    lines.append("")
+    for tag, c in costs["by_dtype"].items():
+        step, widest = c["plain_step_ms"], max(w for w in COST_WIDTHS if w <= 16)
+        lines.append(f"- {tag}: our {widest}-token verify costs {c['verify_ms'][str(widest)] / step:.2f}x our plain "
+                     f"step; our plain step costs {step / c['bare_ms']['1']:.2f}x transformers' 1-token forward.")
+    return lines + ["", "All of one dtype's costs are timed interleaved, call by call in rotating order, so their "
+                    "ratios hold while the machine's speed drifts.", ""]
 
 
 CURVE_SHAPES = ("1/4", "2/8", "3/16", "4/16", "6/32")  # depth/nodes: the auto-tuned sizes and the larger ones
@@ -322,38 +328,36 @@ def choose_tree(args, model, draft, eos, prompts, calib):
     return tuned.tree, tuned
 
 
-@torch.inference_mode()
-def measure_costs(model, draft, top_k: int, context_tokens: int = COST_CONTEXT, repeats: int = 5) -> dict:
-    """Bare transformers forward vs our verify forward at COST_WIDTHS, our plain step, one draft level (ms)."""
+def measure_costs(model, draft, top_k: int, context_tokens: int = COST_CONTEXT, repeats: int = 15) -> dict:
+    """Bare transformers forward vs our verify forward at COST_WIDTHS, our plain step, one draft level (ms), all
+    timed interleaved (`autotune.timed`): their ratios are what the cost table compares."""
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, context_tokens + max(COST_WIDTHS)), generator=g)
     cache = DynamicCache()
-    model(ids[:, :context_tokens], past_key_values=cache, use_cache=True)
+    with torch.inference_mode():
+        model(ids[:, :context_tokens], past_key_values=cache, use_cache=True)
 
-    def median_ms(fn) -> float:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1000 * sorted(times[1:])[repeats // 2]
-
-    def bare(width):
-        model(ids[:, context_tokens: context_tokens + width], past_key_values=cache, use_cache=True, logits_to_keep=0)
-        cache.crop(-width)  # back to the context (transformers 5 crops by a negative count)
+    def bare(width):  # transformers' forward with logits of every new token, then the cache back
+        return (lambda: model(ids[:, context_tokens: context_tokens + width], past_key_values=cache, use_cache=True,
+                              logits_to_keep=0),
+                lambda: cache.crop(-width))  # transformers 5 crops by a negative count
 
     aux = list(draft.config.aux_layer_ids)
     kv = TargetKV(1, "cpu")
-    prefill(model, kv, [ids[0, :context_tokens].tolist()], aux)
+    with torch.inference_mode():
+        prefill(model, kv, [ids[0, :context_tokens].tolist()], aux)
     token = torch.tensor([1])
-    depth_ms = measure_draft(draft, top_k, [1, 6], context_tokens)
-    return {"bare_ms": {str(w): median_ms(lambda: bare(w)) for w in COST_WIDTHS},
-            "verify_ms": {str(w): v for w, v in measure_target_forward(model, COST_WIDTHS, context_tokens,
-                                                                        aux_layer_ids=aux).items()},
-            "plain_step_ms": median_ms(lambda: plain_step(model, kv, token, SamplingConfig(), None, aux)),
-            "draft_level_ms": (depth_ms[6] - depth_ms[1]) / 5}
+    ms = timed("cpu", {"bare": {w: bare(w) for w in COST_WIDTHS},
+                       "verify": target_forward_cases(model, COST_WIDTHS, context_tokens, aux),
+                       "plain": {1: (lambda: plain_step(model, kv, token, SamplingConfig(), None, aux),
+                                     lambda: kv.truncate_(context_tokens))},
+                       "draft": draft_cases(draft, top_k, [1, 6], context_tokens)}, repeats)
+    return {"bare_ms": {str(w): v for w, v in ms["bare"].items()},
+            "verify_ms": {str(w): v for w, v in ms["verify"].items()},
+            "plain_step_ms": ms["plain"][1],
+            "draft_level_ms": (ms["draft"][6] - ms["draft"][1]) / 5}
 
 
 def measure(variants: dict, prompts: list[list[int]], max_new_tokens: int) -> dict[str, list]:

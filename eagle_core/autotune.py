@@ -4,7 +4,7 @@ A round costs one draft pass (independent of `total_tokens` for a fixed `top_k`/
 forward over `total_tokens + 1` tokens; it yields tau(total_tokens) tokens (accepted + bonus). Both halves
 are measured:
 
-* `measure_target_forward`: the verification forward (tree mask, aux capture, lm_head on every node) at a
+* `target_forward_cases`: the verification forward (tree mask, aux capture, lm_head on every node) at a
   few widths on a cache of realistic length; in between, linear interpolation. On a GPU the curve is flat
   up to dozens of tokens, on this CPU a 32-token forward costs ~2.4 one-token ones.
 * `calibrate_acceptance`: greedy speculative decoding with the largest tree on a few prompts. The kept
@@ -14,7 +14,7 @@ are measured:
 
 expected tokens/s (T) = tau(T) / (draft time per round + verify time(T + 1)).
 The verify's lm_head runs either on every node or only along the accepted path (`TreeConfig.path_logits`:
-tau one-row heads instead of one (T + 1)-row head); `measure_head` times the head alone and the cheaper way
+tau one-row heads instead of one (T + 1)-row head); `head_cases` time the head alone and the cheaper way
 is chosen with the shape (on this CPU an fp32 head of 5 rows costs ~2.5 one-row ones; in bf16 or on a GPU
 the multi-row head is nearly free).
 The plain loop is a candidate too (1 / one-token forward): `mode` says "plain" when no tree beats it.
@@ -22,7 +22,10 @@ The plain loop is a candidate too (1 / one-token forward): `mode` says "plain" w
 The depth is tuned the same way, because on a CPU every draft level costs real time: the candidates of
 the first D' levels do not depend on later levels, so a depth-D' tree of T nodes is the top T (by score)
 of the calibration tree's nodes at depth <= D' (a lower bound on its tau when fewer than T such nodes
-were kept), and `measure_draft` times the draft's tree building at every depth on a synthetic context.
+were kept), and `draft_cases` time the draft's tree building at every depth on a synthetic context.
+
+All of these are timed together by `interleaved_ms`, round-robin, so the machine's drift lands on every case
+alike: the choice compares costs, and a burst that landed on one width used to pick a different tree.
 """
 
 from __future__ import annotations
@@ -66,48 +69,93 @@ class AutotuneResult:
         return asdict(self)
 
 
-@torch.inference_mode()
-def measure_target_forward(target, widths, context_tokens: int = 256, repeats: int = 3,
-                           aux_layer_ids=None) -> dict[int, float]:
-    """Median wall time (ms) of a verification forward of `width` tokens on a `context_tokens` cache."""
+def interleaved_ms(device, cases: dict, repeats: int = 9) -> dict:
+    """Median wall time (ms) of every case {key: (run, undo or None)}, timed round-robin (`undo`, untimed, puts
+    the state back after each run, so every repeat times the same work): each repeat runs every case once, starting from a
+    different case each time, after one untimed pass. On a shared machine a burst or a drift then lands on
+    every case alike instead of on whichever was being timed, so ratios between cases (what the auto-tune and the
+    cost table compare) hold even when absolute times move (this 2-core machine's move by ~30 % between runs)."""
+    keys = list(cases)
+    times = {key: [] for key in keys}
+    for rep in range(repeats + 1):
+        start = rep % len(keys)
+        for key in keys[start:] + keys[:start]:
+            run, undo = cases[key]
+            t0 = clock(device)
+            run()
+            elapsed = clock(device) - t0
+            if rep:  # the first pass warms up
+                times[key].append(elapsed)
+            if undo is not None:
+                undo()
+    return {key: 1000 * sorted(t)[len(t) // 2] for key, t in times.items()}
+
+
+def target_forward_cases(target, widths, context_tokens: int = 256, aux_layer_ids=None) -> dict:
+    """{width: case}: a verification forward of `width` tokens on a `context_tokens` cache, then dropped."""
     device = target.get_input_embeddings().weight.device
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(0)
     kv = TargetKV(1, device)
-    prefill(target, kv, [torch.randint(0, vocab, (context_tokens,), generator=g).tolist()], aux_layer_ids)
-    out = {}
+    with torch.inference_mode():
+        prefill(target, kv, [torch.randint(0, vocab, (context_tokens,), generator=g).tolist()], aux_layer_ids)
+    past = kv.width
+    cases = {}
     for width in widths:
         # a chain-shaped tree: the forward's cost depends on the width, not on the shape
         parents = torch.clamp(torch.arange(width, device=device) - 1, min=0)[None]
         tokens = torch.randint(0, vocab, (1, width), generator=g).to(device)
         tree = tree_from_parents(tokens, parents)
-        past, none = kv.width, torch.zeros(1, dtype=torch.long, device=device)
-        out[width] = median_ms(device, lambda: verify_tree(target, kv, tree, aux_layer_ids), repeats,
-                               undo=lambda: kv.keep_new_(past, none[:, None], none))  # drop the verified entries
-    return out
+        cases[width] = (lambda tree=tree: verify_tree(target, kv, tree, aux_layer_ids),
+                        lambda: kv.truncate_(past))  # drop the verified entries
+    return cases
 
 
-def median_ms(device, run, repeats: int, undo=None) -> float:
-    """Median wall time (ms) of `run()` over `repeats` runs after a warm-up one; `undo()`, untimed, after each."""
-    times = []
-    for _ in range(repeats + 1):
-        t0 = clock(device)
-        run()
-        times.append(clock(device) - t0)
-        if undo is not None:
-            undo()
-    times = sorted(times[1:])
-    return 1000 * times[len(times) // 2]
-
-
-@torch.inference_mode()
-def measure_head(target, widths, repeats: int = 5) -> dict[int, float]:
-    """Median wall time (ms) of the target's lm_head alone on `width` rows (part of every verify forward)."""
+def head_cases(target, widths) -> dict:
+    """{width: case}: the target's lm_head alone on `width` rows (part of every verify forward)."""
     head = target.get_output_embeddings()
-    device = head.weight.device
     x = torch.randn(1, max(widths), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(device, head.weight.dtype)
-    return {width: median_ms(device, lambda: head(x[:, :width]), repeats) for width in widths}
+    x = x.to(head.weight.device, head.weight.dtype)
+    return {width: (lambda width=width: head(x[:, :width]), None) for width in widths}
+
+
+def draft_cases(draft, top_k: int, depths, context_tokens: int = 256, extend_tokens: int = 3) -> dict:
+    """{depth: case}: one draft round at `depth` (extending its cache by a few tokens + building the tree) on a
+    synthetic context."""
+    from eagle_core.kv import DraftKV
+    from eagle_core.tree import draft_tree
+
+    device = draft.fc.weight.device
+    cfg = draft.config
+    g = torch.Generator().manual_seed(0)
+
+    def features(n):
+        aux = torch.randn(1, n, 3 * cfg.target_hidden_size, generator=g).to(device, draft.fc.weight.dtype)
+        return aux, torch.randint(0, cfg.target_vocab_size, (1, n), generator=g).to(device), \
+            torch.tensor([n], device=device)
+
+    dkv = DraftKV(1, device)
+    with torch.inference_mode():
+        draft_extend(draft, dkv, *features(context_tokens))
+    snapshot = (dkv.width, dkv.lengths)  # later writes land beyond these rows' lengths
+    extension, root = features(extend_tokens), torch.zeros(1, dtype=torch.long, device=device)
+
+    def round_at(depth):
+        h = draft_extend(draft, dkv, *extension)
+        draft_tree(draft, dkv, h, root, TreeConfig(top_k, depth, 1))
+
+    def restore():
+        dkv.width, dkv.lengths = snapshot
+
+    return {depth: (lambda depth=depth: round_at(depth), restore) for depth in depths}
+
+
+def timed(device, families: dict, repeats: int = 9) -> dict:
+    """{family: {key: ms}} for {family: {key: case}}, every case of every family interleaved with all others."""
+    flat = {(name, key): case for name, cases in families.items() for key, case in cases.items()}
+    with torch.inference_mode():
+        ms = interleaved_ms(device, flat, repeats)
+    return {name: {key: ms[(name, key)] for key in cases} for name, cases in families.items()}
 
 
 def round_ms(forward_ms: dict[int, float], head_ms: dict[int, float], draft_ms: dict[int, float], depth: int,
@@ -138,37 +186,6 @@ def interpolate(points: dict[int, float], x: float) -> float:
             return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
     lo, hi = xs[-2], xs[-1]  # extrapolate linearly beyond the last measurement
     return points[hi] + (points[hi] - points[lo]) * (x - hi) / (hi - lo)
-
-
-@torch.inference_mode()
-def measure_draft(draft, top_k: int, depths, context_tokens: int = 256, extend_tokens: int = 3,
-                  repeats: int = 3) -> dict[int, float]:
-    """Draft time per round (ms) at each depth: extending its cache by a few tokens + building the tree."""
-    from eagle_core.kv import DraftKV
-    from eagle_core.tree import draft_tree
-
-    device = draft.fc.weight.device
-    cfg = draft.config
-    g = torch.Generator().manual_seed(0)
-
-    def features(n):
-        aux = torch.randn(1, n, 3 * cfg.target_hidden_size, generator=g).to(device, draft.fc.weight.dtype)
-        return aux, torch.randint(0, cfg.target_vocab_size, (1, n), generator=g).to(device)
-
-    dkv = DraftKV(1, device)
-    hidden = draft_extend(draft, dkv, *features(context_tokens), torch.tensor([context_tokens], device=device))
-    snapshot = (dkv.width, dkv.lengths)  # later writes land beyond these rows' lengths
-
-    def round_at(depth):
-        h = draft_extend(draft, dkv, *features(extend_tokens), torch.tensor([extend_tokens], device=device))
-        draft_tree(draft, dkv, h, torch.zeros(1, dtype=torch.long, device=device), TreeConfig(top_k, depth, 1))
-
-    def restore():
-        dkv.width, dkv.lengths = snapshot
-
-    out = {depth: median_ms(device, lambda: round_at(depth), repeats, undo=restore) for depth in depths}
-    del hidden
-    return out
 
 
 @torch.inference_mode()
@@ -211,9 +228,11 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.to
     depths = sorted(depths or range(1, depth + 1))
     t0 = time.perf_counter()
     widths = [1] + [s + 1 for s in sizes]  # verify forwards of a plain step and of every candidate size
-    forward_ms = measure_target_forward(target, widths, context_tokens, aux_layer_ids=list(draft.config.aux_layer_ids))
-    head_ms = monotone(measure_head(target, widths))
-    draft_ms = measure_draft(draft, top_k, depths, context_tokens)
+    costs = timed(target.get_input_embeddings().weight.device, {
+        "verify": target_forward_cases(target, widths, context_tokens, list(draft.config.aux_layer_ids)),
+        "head": head_cases(target, widths),
+        "draft": draft_cases(draft, top_k, depths, context_tokens)})
+    forward_ms, head_ms, draft_ms = costs["verify"], monotone(costs["head"]), costs["draft"]
     t1 = time.perf_counter()
     tau, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), depths, sizes,
                                     max_new_tokens, eos_token_id)

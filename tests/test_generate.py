@@ -141,3 +141,69 @@ def test_round_cost_counts_the_head_on_every_node_or_on_the_path():
     assert round_ms(forward, fp32, draft, 1, 4, 1.5, False) == round_ms(forward, bf16, draft, 1, 4, 1.5, False) == 105
     assert round_ms(forward, fp32, draft, 1, 4, 1.5, True) == pytest.approx(90.0)
     assert round_ms(forward, bf16, draft, 1, 4, 1.5, True) == pytest.approx(106.0)
+
+
+def test_interleaved_timing_rotates_the_order_and_undoes_every_run():
+    """Every repeat runs every case once, each repeat starting from the next case (so a slow spell of the
+    machine lands on all cases alike), each run is followed by its own undo, and the first pass is not timed."""
+    from eagle_core.autotune import interleaved_ms
+
+    log = []
+    cases = {k: (lambda k=k: log.append(("run", k)), None if k == "c" else (lambda k=k: log.append(("undo", k))))
+             for k in "abc"}
+    ms = interleaved_ms("cpu", cases, repeats=4)
+    assert set(ms) == set("abc") and all(v >= 0 for v in ms.values())
+    runs = [k for kind, k in log if kind == "run"]
+    assert len(runs) == 3 * 5
+    assert [runs[3 * r] for r in range(5)] == ["a", "b", "c", "a", "b"]  # who goes first rotates
+    assert all(sorted(runs[3 * r: 3 * r + 3]) == ["a", "b", "c"] for r in range(5))
+    for i, (kind, k) in enumerate(log):
+        if kind == "run" and k != "c":
+            assert log[i + 1] == ("undo", k)
+
+
+def test_a_truncated_target_cache_recomputes_the_same_forward_in_place(damped):
+    """`TargetKV.truncate_` rolls a cache back (the timing loops' undo): the next forward writes into the same
+    buffer, and a verify repeated after the rollback gives the same logits."""
+    from eagle_core.decoding import prefill
+    from eagle_core.kv import TargetKV, lm_logits
+    from eagle_core.tree import tree_from_parents
+    from eagle_core.verify import verify_hidden
+
+    kv = TargetKV(1, "cpu")
+    prefill(damped, kv, [list(range(3, 20))], None)
+    past = kv.width
+    tree = tree_from_parents(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1]]))
+    first = lm_logits(damped, verify_hidden(damped, kv, tree, None)[0])
+    buffer = kv.cache.layers[0].keys.untyped_storage().data_ptr()
+    kv.truncate_(past)
+    assert kv.width == past and int(kv.lengths[0]) == past
+    again = lm_logits(damped, verify_hidden(damped, kv, tree, None)[0])
+    assert kv.cache.layers[0].keys.untyped_storage().data_ptr() == buffer
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lengths_equal,first_row_keeps", [(True, [0, 1, 2]), (False, [0, 1, 2]), (True, [0, 2, 1])])
+def test_keeping_new_entries_in_place_equals_moving_them(damped, lengths_equal, first_row_keeps):
+    """`TargetKV.keep_new_` skips the gather/scatter when the kept entries already sit where they belong (full
+    rows keeping a prefix of the new entries): the valid cache it leaves equals the general move's, and its
+    buffer is the same one. Ragged rows, and a row keeping entries out of order, take the general move."""
+    from eagle_core.decoding import prefill
+    from eagle_core.kv import TargetKV, keep_new_, target_forward
+
+    prompts = [list(range(3, 14)), list(range(5, 16 if lengths_equal else 12))]
+    kv = TargetKV(2, "cpu")
+    prefill(damped, kv, prompts, None)
+    past, lengths = kv.width, kv.lengths.clone()
+    ids = torch.tensor([[7, 8, 9], [4, 5, 6]])
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None].expand(2, 3, 3)
+    target_forward(damped, kv, ids, lengths[:, None] + torch.arange(3)[None], causal)
+    keep, n_keep = torch.tensor([first_row_keeps, [0, 1, 2]]), torch.tensor([3, 1])
+    expected = [keep_new_(layer.keys.clone(), lengths, past, keep, n_keep, past + 3) for layer in kv.cache.layers]
+    buffer = kv.cache.layers[0].keys.untyped_storage().data_ptr()
+    kv.keep_new_(past, keep, n_keep)
+    assert kv.lengths.tolist() == (lengths + n_keep).tolist() and kv.width == past + 3
+    for layer, ref in zip(kv.cache.layers, expected):
+        for row, n in enumerate(kv.lengths.tolist()):
+            torch.testing.assert_close(layer.keys[row, :, :n], ref[row, :, :n], rtol=0, atol=0)
+    assert kv.cache.layers[0].keys.untyped_storage().data_ptr() == buffer
