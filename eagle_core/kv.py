@@ -135,23 +135,28 @@ def causal_mask(valid: torch.Tensor) -> torch.Tensor:
     return (causal[None] & valid[:, None, :]) | eye[None]
 
 
-def keep_new_(t: torch.Tensor, lengths: torch.Tensor, past_width: int, keep: torch.Tensor,
-              n_keep: torch.Tensor, new_width: int) -> torch.Tensor:
-    """Move the kept new entries of every row down to its valid prefix; return the trimmed view.
+def kept_slots(lengths: torch.Tensor, past_width: int, keep: torch.Tensor) -> tuple:
+    """Where the kept new entries move: (rows, src, dst), each [B, K], on keep's device.
 
-    t: [B, heads, P+S, d] after a forward that appended S entries at slot P = past_width.
-    keep: [B, K] (K <= S) indices into the new entries; row b keeps `keep[b, :n_keep[b]]`, in order.
-    Destination slots are `lengths[b] + i` for every i < K: distinct within a row, so the scatter is
-    deterministic; the i >= n_keep[b] writes land at or beyond the row's new length, i.e. in garbage.
-    Only K entries per row are copied, never the whole cache.
+    After a forward that appended S entries at slot P = past_width, row b keeps `keep[b, :n_keep[b]]` (K <= S
+    indices into the new entries), in order: entry i moves from slot P + keep[b, i] to lengths[b] + i. The
+    destinations are distinct within a row; those with i >= n_keep[b] land at or beyond the row's new length,
+    i.e. in garbage, so every row moves K entries and no count is needed.
     """
-    if keep.device != t.device:  # a target spread over several devices (device_map): each layer's own
-        keep, lengths, n_keep = keep.to(t.device), lengths.to(t.device), n_keep.to(t.device)
-    b, h, _, d = t.shape
-    k = keep.shape[1]
-    src = t.gather(2, (past_width + keep)[:, None, :, None].expand(b, h, k, d))  # [B, heads, K, d]
-    dst = lengths[:, None] + torch.arange(k, device=lengths.device)[None, :]  # [B, K]
-    t.scatter_(2, dst[:, None, :, None].expand(b, h, k, d), src)
+    rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)
+    dst = lengths.to(keep.device)[:, None] + torch.arange(keep.shape[1], device=keep.device)[None, :]
+    return rows, past_width + keep, dst
+
+
+def keep_new_(t: torch.Tensor, slots: tuple, new_width: int) -> torch.Tensor:
+    """Move the kept new entries of every row of t [B, heads, P+S, d] down to its valid prefix (`kept_slots`)
+    and return the trimmed view. Only K entries per row are copied, never the whole cache: one advanced-index
+    read and write per tensor (4x cheaper on CPUs than a gather and scatter through expanded indices, whose
+    setup dominates at these sizes)."""
+    rows, src, dst = slots
+    if rows.device != t.device:  # a target spread over several devices (device_map): each layer's own
+        rows, src, dst = rows.to(t.device), src.to(t.device), dst.to(t.device)
+    t[rows, :, dst] = t[rows, :, src]  # the right side is read before anything is written
     return t[:, :, :new_width]
 
 
@@ -227,12 +232,13 @@ class TargetKV:
         slot = torch.arange(keep.shape[1], device=keep.device)[None, :]
         prefix = ((keep == slot) | (slot >= n_keep[:, None])).all()
         width, shortest, in_place = torch.stack([new_lengths.max(), self.lengths.min(), prefix.long()]).tolist()
+        slots = kept_slots(self.lengths, past_width, keep)
         for layer in self.cache.layers:
             if in_place and shortest == past_width:
                 layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
             else:
-                layer.keys = keep_new_(layer.keys, self.lengths, past_width, keep, n_keep, width)
-                layer.values = keep_new_(layer.values, self.lengths, past_width, keep, n_keep, width)
+                layer.keys = keep_new_(layer.keys, slots, width)
+                layer.values = keep_new_(layer.values, slots, width)
         self.lengths = new_lengths
 
     def truncate_(self, width: int) -> None:
@@ -292,8 +298,9 @@ class DraftKV:
         """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them."""
         new_lengths = self.lengths + n_keep
         width = int(new_lengths.max())
-        keep_new_(self.k, self.lengths, past_width, keep, n_keep, width)  # in place, in the buffers
-        keep_new_(self.v, self.lengths, past_width, keep, n_keep, width)
+        slots = kept_slots(self.lengths, past_width, keep)
+        keep_new_(self.k, slots, width)  # in place, in the buffers
+        keep_new_(self.v, slots, width)
         self.width, self.lengths = width, new_lengths
 
     def truncate_(self, width: int) -> None:

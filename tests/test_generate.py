@@ -185,11 +185,11 @@ def test_a_truncated_target_cache_recomputes_the_same_forward_in_place(damped):
 
 @pytest.mark.parametrize("lengths_equal,first_row_keeps", [(True, [0, 1, 2]), (False, [0, 1, 2]), (True, [0, 2, 1])])
 def test_keeping_new_entries_in_place_equals_moving_them(damped, lengths_equal, first_row_keeps):
-    """`TargetKV.keep_new_` skips the gather/scatter when the kept entries already sit where they belong (full
-    rows keeping a prefix of the new entries): the valid cache it leaves equals the general move's, and its
-    buffer is the same one. Ragged rows, and a row keeping entries out of order, take the general move."""
+    """`TargetKV.keep_new_` leaves each row's cache as its definition says: its old valid entries, then the kept new
+    ones in order. Full rows keeping a prefix of the new entries keep them where they are (no copy, the same
+    buffer); ragged rows, and a row keeping entries out of order, move them."""
     from eagle_core.decoding import prefill
-    from eagle_core.kv import TargetKV, keep_new_, target_forward
+    from eagle_core.kv import TargetKV, target_forward
 
     prompts = [list(range(3, 14)), list(range(5, 16 if lengths_equal else 12))]
     kv = TargetKV(2, "cpu")
@@ -199,11 +199,12 @@ def test_keeping_new_entries_in_place_equals_moving_them(damped, lengths_equal, 
     causal = torch.ones(3, 3, dtype=torch.bool).tril()[None].expand(2, 3, 3)
     target_forward(damped, kv, ids, lengths[:, None] + torch.arange(3)[None], causal)
     keep, n_keep = torch.tensor([first_row_keeps, [0, 1, 2]]), torch.tensor([3, 1])
-    expected = [keep_new_(layer.keys.clone(), lengths, past, keep, n_keep, past + 3) for layer in kv.cache.layers]
+    expected = [[torch.cat([layer.keys[r, :, :lengths[r]], layer.keys[r, :, past + keep[r, :n_keep[r]]]], dim=1)
+                 for r in range(2)] for layer in kv.cache.layers]
     buffer = kv.cache.layers[0].keys.untyped_storage().data_ptr()
     kv.keep_new_(past, keep, n_keep)
     assert kv.lengths.tolist() == (lengths + n_keep).tolist() and kv.width == past + 3
-    for layer, ref in zip(kv.cache.layers, expected):
-        for row, n in enumerate(kv.lengths.tolist()):
-            torch.testing.assert_close(layer.keys[row, :, :n], ref[row, :, :n], rtol=0, atol=0)
+    for layer, rows in zip(kv.cache.layers, expected):
+        for r, n in enumerate(kv.lengths.tolist()):
+            torch.testing.assert_close(layer.keys[r, :, :n], rows[r], rtol=0, atol=0)
     assert kv.cache.layers[0].keys.untyped_storage().data_ptr() == buffer

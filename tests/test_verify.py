@@ -157,7 +157,7 @@ def test_preallocated_cache_writes_in_place_and_holds_what_concatenation_would()
     concatenating `DynamicLayer` holds."""
     from transformers.cache_utils import DynamicLayer
 
-    from eagle_core.kv import keep_new_, pad_cat, preallocated_layer_class
+    from eagle_core.kv import keep_new_, kept_slots, pad_cat, preallocated_layer_class
 
     torch.manual_seed(0)
     ours, ref = preallocated_layer_class()(), DynamicLayer()
@@ -171,10 +171,10 @@ def test_preallocated_cache_writes_in_place_and_holds_what_concatenation_would()
     def keep(past: int, idx: list[list[int]], n_keep: list[int]):
         nonlocal lengths
         keep_t, n_t = torch.tensor(idx), torch.tensor(n_keep)
-        width = int((lengths + n_t).max())
+        width, slots = int((lengths + n_t).max()), kept_slots(lengths, past, keep_t)
         for layer in (ours, ref):
-            layer.keys = keep_new_(layer.keys, lengths, past, keep_t, n_t, width)
-            layer.values = keep_new_(layer.values, lengths, past, keep_t, n_t, width)
+            layer.keys = keep_new_(layer.keys, slots, width)
+            layer.values = keep_new_(layer.values, slots, width)
         lengths = lengths + n_t
 
     append(5)
