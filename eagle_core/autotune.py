@@ -37,7 +37,7 @@ import torch
 
 from eagle_core.decoding import clock, draft_extend, prefill
 from eagle_core.generate import generate
-from eagle_core.kv import TargetKV
+from eagle_core.kv import TargetKV, lm_logits
 from eagle_core.tree import TreeConfig, tree_from_parents
 from eagle_core.verify import verify_tree
 
@@ -114,9 +114,13 @@ def target_forward_cases(target, widths, context_tokens: int = 256, aux_layer_id
 def head_cases(target, widths) -> dict:
     """{width: case}: the target's lm_head alone on `width` rows (part of every verify forward)."""
     head = target.get_output_embeddings()
-    x = torch.randn(1, max(widths), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(head.weight.device, head.weight.dtype)
-    return {width: (lambda width=width: head(x[:, :width]), None) for width in widths}
+    g = torch.Generator().manual_seed(0)
+    # one tensor per width, not slices of one: a bf16 linear on CPUs takes a ~15x slower kernel when a 3-d
+    # input's leading stride is not its packed one (measured: SmolLM2's head 44 ms on x[:, :1] of a [1, 65, H]
+    # tensor, 2.2 ms on a [1, 1, H] one), which the decoding never feeds it
+    xs = {w: torch.randn(1, w, target.config.hidden_size, generator=g).to(head.weight.device, head.weight.dtype)
+          for w in widths}
+    return {width: (lambda x=xs[width]: lm_logits(target, x), None) for width in widths}
 
 
 def draft_cases(draft, top_k: int, depths, context_tokens: int = 256, extend_tokens: int = 3) -> dict:
