@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle_core.tree import TreeConfig
 from pipelines.retrain import CANDIDATE, CHAMPION, RetrainConfig, alias_version, run_retrain
@@ -39,10 +40,37 @@ def test_warm_start_copies_weights_and_the_shared_vocab_rows(tmp_path, tiny_targ
     assert torch.equal(new.d2t + torch.arange(64), torch.arange(32, 96))  # the new vocabulary is kept
 
 
+def test_a_warm_start_inherits_the_source_vocabulary_when_it_fits(tmp_path, tiny_target):
+    """A run warm-started from a draft keeps that draft's vocabulary (every lm_head row then carries over);
+    a draft of another vocabulary size or another target leaves the run to build its own."""
+    import torch
+
+    from eagle_core.checkpoint import save_draft
+    from eagle_core.draft import DraftConfig, Eagle3Draft
+    from eagle_core.vocab import mapping_from_draft_ids
+    from pipelines.train import inherited_vocab
+
+    source = Eagle3Draft(DraftConfig.from_target(tiny_target.config, draft_vocab_size=64),
+                         tiny_target.get_input_embeddings().weight)
+    source.set_vocab(*mapping_from_draft_ids(torch.arange(100, 164), tiny_target.config.vocab_size))
+    save_draft(source, tmp_path / "source")
+    d2t = inherited_vocab(str(tmp_path / "source"), tiny_target.config, 64)
+    assert torch.equal(d2t + torch.arange(64), torch.arange(100, 164))
+    assert inherited_vocab(str(tmp_path / "source"), tiny_target.config, 32) is None
+    other = type(tiny_target.config)(**{**tiny_target.config.to_dict(), "vocab_size": tiny_target.config.vocab_size + 1})
+    assert inherited_vocab(str(tmp_path / "source"), other, 64) is None
+
+
+# one word per answer, so that a larger scale's answers hold tokens a smaller scale's never saw (its own
+# vocabulary would differ from the champion's)
+WORDS = ["apple", "river", "mountain", "violin", "glacier", "harbor", "lantern", "meadow", "orchid", "pyramid",
+         "saffron", "thunder", "umbrella", "volcano", "walnut", "zeppelin"]
+
+
 def write_corpus(path: Path, n: int) -> Path:
     rows = [json.dumps({"id": f"c{i}", "conversations": [
         {"from": "human", "value": f"Question {i}: what is {i} plus {i + 1}?"},
-        {"from": "gpt", "value": f"{i} plus {i + 1} is {2 * i + 1}."}]}) for i in range(n)]
+        {"from": "gpt", "value": f"{i} plus {i + 1} is {2 * i + 1}, said the {WORDS[i]}."}]}) for i in range(n)]
     path.write_text("\n".join(rows) + "\n")
     return path
 
@@ -88,6 +116,11 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     assert small["promoted"] and not large["promoted"]
     assert str(alias_version("retrain-test", CHAMPION).version) == str(small["version"])
     assert str(alias_version("retrain-test", CANDIDATE).version) == str(large["version"])
+    # the larger scale warm-started from the champion and kept its vocabulary
+    from eagle_core.checkpoint import load_draft
+
+    drafts = Path(setting["work"]) / "drafts"
+    assert torch.equal(load_draft(drafts / "rows-12" / "draft").d2t, load_draft(drafts / "rows-6" / "draft").d2t)
 
     client = MlflowClient(tracking.tracking_uri())
     experiment = client.get_experiment_by_name("retrain-test").experiment_id

@@ -33,7 +33,7 @@ _EXPORTS = {
     "driver": ["CANDIDATE_ALIAS", "prepare_data", "run_train"],
     "lineage": ["Lineage"],
     "metrics": ["evaluate"],
-    "model": ["TTTObjective", "build_draft", "load_target_heads", "target_config", "vocab_from_counts", "warm_start",
+    "model": ["TTTObjective", "build_draft", "inherited_vocab", "load_target_heads", "target_config", "vocab_from_counts", "warm_start",
               "wrap_objective"],
     "plan": ["TrainPlan", "epoch_order", "pack_batches", "plan_steps", "scan_features", "split_heldout"],
 }

@@ -26,7 +26,7 @@ from pipelines.storage import arrow_filesystem, join, local_path, upload_folder,
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.faults import fault_step_from_env
 from pipelines.train.lineage import Lineage
-from pipelines.train.model import count_trainable, target_config, vocab_from_counts
+from pipelines.train.model import count_trainable, inherited_vocab, target_config, vocab_from_counts
 from pipelines.train.plan import TrainPlan, make_plan, scan_features, split_heldout, stream_first_pass
 from pipelines.train.report import write_plots
 from pipelines.train.shards import build_planned_datasets, planned_shards_config
@@ -167,7 +167,10 @@ def run_train(config: TrainJobConfig) -> dict:
         tracking.require_shared_store(alive_nodes())
     meta, plan, data, lineage = prepare_data(config, world)
     tconfig = target_config(meta["target"])
-    d2t, _ = vocab_from_counts(meta.pop("token_counts"), tconfig.vocab_size, config.draft_vocab_size)
+    counts = meta.pop("token_counts")
+    d2t = inherited_vocab(config.init_from, tconfig, config.draft_vocab_size) if config.init_from else None
+    if d2t is None:
+        d2t, _ = vocab_from_counts(counts, tconfig.vocab_size, config.draft_vocab_size)
     run_id = (previous or {}).get("mlflow_run_id")
     if config.mlflow_experiment and run_id is None:
         run_id = _start_mlflow_run(config, plan, lineage, world, count_trainable(config, tconfig))
