@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--margin", type=float, default=d.margin, help="tau gain over the champion needed for promotion")
     p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="initialise from the current champion when compatible (else from scratch)")
+    p.add_argument("--warm-start-lr", type=float, default=d.warm_start_lr,
+                   help="learning rate of a warm-started candidate, unless --train sets lr")
     p.add_argument("--extract", type=parse_overrides, default=d.extract,
                    help='ExtractConfig overrides as JSON, e.g. \'{"max_new_tokens": 256, "num_workers": 4}\'')
     p.add_argument("--train", type=parse_overrides, default=d.train,

@@ -36,6 +36,9 @@ class RetrainConfig:
     eval_tree: TreeConfig = field(default_factory=TreeConfig)  # the decoding tree of the evaluation
     margin: float = 0.05  # tau the new draft must gain over the champion to replace it
     warm_start: bool = True  # initialise from the current champion when its shapes fit
+    # learning rate of a warm-started candidate unless `train` sets one: fine-tuning takes a smaller step than
+    # training from scratch (TrainConfig.lr, 1e-3); the shipped draft's warm-started runs used 2e-4 and 3e-4
+    warm_start_lr: float = 2e-4
     extract: dict = field(default_factory=dict)  # ExtractConfig overrides (regenerate, max_length, ...)
     train: dict = field(default_factory=dict)  # TrainJobConfig overrides (epochs, lr, num_workers, ...)
     mlflow_experiment: str = "eagle3-retrain"
@@ -187,6 +190,7 @@ def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str
                  "registered_model_name": config.registered_model, "resume": True}
     if init_from:
         overrides["init_from"] = init_from
+        overrides.setdefault("lr", config.warm_start_lr)
     return run_train(TrainJobConfig(**overrides))
 
 

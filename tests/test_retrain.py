@@ -142,3 +142,19 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     assert newest["promoted"]
     assert str(alias_version("retrain-test", CHAMPION).version) == str(newest["version"])
     assert len(child_runs(client, experiment, second["parent_run_id"])) == 3
+
+
+@pytest.mark.parametrize("train,init_from,lr", [({}, "models:/m@champion", 2e-4), ({"lr": 5e-4}, "models:/m@champion", 5e-4),
+                                                 ({}, None, None)])
+def test_a_warm_started_candidate_takes_the_fine_tuning_rate(tmp_path, monkeypatch, train, init_from, lr):
+    """Warm-started, a candidate trains at `warm_start_lr` (fine-tuning) unless `train` sets lr; from scratch
+    it keeps the trainer's own default."""
+    import pipelines.train
+    from pipelines.retrain import _train_scale
+    from pipelines.train import TrainJobConfig
+
+    seen = []
+    monkeypatch.setattr(pipelines.train, "run_train", lambda cfg: seen.append(cfg) or {})
+    _train_scale(RetrainConfig(work=str(tmp_path), train=train), 40, str(tmp_path / "features"), init_from)
+    assert seen[0].init_from == init_from
+    assert seen[0].lr == (lr if lr is not None else TrainJobConfig.lr)
