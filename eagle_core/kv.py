@@ -226,17 +226,19 @@ class TargetKV:
 
         Where every row's cache was full (lengths == past_width) and each row keeps a prefix of the new entries
         (a plain step; a round that accepted nothing or the tree's first nodes, at batch 1), they already sit
-        where they belong and no entry moves: the gather and scatter on every layer cost a plain step ~2.5 ms of
-        ~25 (SmolLM2 bf16 on the 2-core CPU). One host sync either way, for the new width."""
+        where they belong and no entry moves. Measured on SmolLM2's 30 layers (2-core CPU, bf16 steps of ~25 ms):
+        moving one entry onto itself cost 2.5 ms per step by gather and scatter, 0.45 ms by advanced indexing
+        (`keep_new_`); not moving it, 0.13 ms. One host sync either way, for the new width."""
         new_lengths = self.lengths + n_keep
         slot = torch.arange(keep.shape[1], device=keep.device)[None, :]
         prefix = ((keep == slot) | (slot >= n_keep[:, None])).all()
         width, shortest, in_place = torch.stack([new_lengths.max(), self.lengths.min(), prefix.long()]).tolist()
-        slots = kept_slots(self.lengths, past_width, keep)
-        for layer in self.cache.layers:
-            if in_place and shortest == past_width:
+        if in_place and shortest == past_width:
+            for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-            else:
+        else:
+            slots = kept_slots(self.lengths, past_width, keep)
+            for layer in self.cache.layers:
                 layer.keys = keep_new_(layer.keys, slots, width)
                 layer.values = keep_new_(layer.values, slots, width)
         self.lengths = new_lengths
