@@ -148,6 +148,21 @@ def kept_slots(lengths: torch.Tensor, past_width: int, keep: torch.Tensor) -> tu
     return rows, past_width + keep, dst
 
 
+def keep_plan(lengths: torch.Tensor, past_width: int, keep: torch.Tensor, n_keep: torch.Tensor) -> tuple:
+    """(new lengths [B], new width, `kept_slots` or None) for keeping `keep[b, :n_keep[b]]` of the new entries.
+
+    None: every row was full (lengths == past_width) and keeps a prefix of its new entries (a plain step; a round
+    that accepted nothing or the first-ranked chain; the draft's catch-up, at batch 1), so they already sit where
+    they belong and nothing moves. Measured on SmolLM2's 30 layers (2-core CPU, bf16 steps of ~25 ms): moving one
+    entry onto itself cost 2.5 ms per step by gather and scatter, 0.45 ms by advanced indexing (`keep_new_`); not
+    moving it, 0.13 ms. One host sync either way, for the new width."""
+    new_lengths = lengths + n_keep
+    slot = torch.arange(keep.shape[1], device=keep.device)[None, :]
+    prefix = ((keep == slot) | (slot >= n_keep[:, None])).all()
+    width, shortest, in_place = torch.stack([new_lengths.max(), lengths.min(), prefix.long()]).tolist()
+    return new_lengths, width, None if in_place and shortest == past_width else kept_slots(lengths, past_width, keep)
+
+
 def keep_new_(t: torch.Tensor, slots: tuple, new_width: int) -> torch.Tensor:
     """Move the kept new entries of every row of t [B, heads, P+S, d] down to its valid prefix (`kept_slots`)
     and return the trimmed view. Only K entries per row are copied, never the whole cache: one advanced-index
@@ -222,23 +237,13 @@ class TargetKV:
         return self.cache.get_seq_length()
 
     def keep_new_(self, past_width: int, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
-        """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them.
-
-        Where every row's cache was full (lengths == past_width) and each row keeps a prefix of the new entries
-        (a plain step; a round that accepted nothing or the tree's first nodes, at batch 1), they already sit
-        where they belong and no entry moves. Measured on SmolLM2's 30 layers (2-core CPU, bf16 steps of ~25 ms):
-        moving one entry onto itself cost 2.5 ms per step by gather and scatter, 0.45 ms by advanced indexing
-        (`keep_new_`); not moving it, 0.13 ms. One host sync either way, for the new width."""
-        new_lengths = self.lengths + n_keep
-        slot = torch.arange(keep.shape[1], device=keep.device)[None, :]
-        prefix = ((keep == slot) | (slot >= n_keep[:, None])).all()
-        width, shortest, in_place = torch.stack([new_lengths.max(), self.lengths.min(), prefix.long()]).tolist()
-        if in_place and shortest == past_width:
-            for layer in self.cache.layers:
+        """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them (moved
+        only where they do not already sit in place: `keep_plan`)."""
+        new_lengths, width, slots = keep_plan(self.lengths, past_width, keep, n_keep)
+        for layer in self.cache.layers:
+            if slots is None:
                 layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-        else:
-            slots = kept_slots(self.lengths, past_width, keep)
-            for layer in self.cache.layers:
+            else:
                 layer.keys = keep_new_(layer.keys, slots, width)
                 layer.values = keep_new_(layer.values, slots, width)
         self.lengths = new_lengths
@@ -298,11 +303,10 @@ class DraftKV:
 
     def keep_new_(self, past_width: int, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
         """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them."""
-        new_lengths = self.lengths + n_keep
-        width = int(new_lengths.max())
-        slots = kept_slots(self.lengths, past_width, keep)
-        keep_new_(self.k, slots, width)  # in place, in the buffers
-        keep_new_(self.v, slots, width)
+        new_lengths, width, slots = keep_plan(self.lengths, past_width, keep, n_keep)
+        if slots is not None:
+            keep_new_(self.k, slots, width)  # in place, in the buffers
+            keep_new_(self.v, slots, width)
         self.width, self.lengths = width, new_lengths
 
     def truncate_(self, width: int) -> None:
