@@ -92,8 +92,8 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     tau (the draft's quality, which promotion compares) comes from greedy decoding of all prompts with
     `config.eval_tree`; the same run gives the tau of every smaller tree, so `eagle_core.autotune` picks the
     tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
-    interleaved) with that tree every round, with the auto policy (trees only where they pay: what a user
-    gets) and plainly (the baseline of both speed-ups)."""
+    interleaved, the three in rotating order) with that tree every round, with the auto policy (trees only
+    where they pay: what a user gets) and plainly (the baseline of both speed-ups)."""
     from eagle_core.autotune import DEFAULT_SIZES, autotune
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
@@ -105,10 +105,11 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     context = sum(map(len, ids)) // len(ids) + config.eval_max_new_tokens // 2
     tuned = autotune(target, draft, ids, top_k=full.top_k, depth=full.depth, sizes=sizes, context_tokens=context,
                      max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-    tokens, seconds = {"tree": 0, "auto": 0, "plain": 0}, {"tree": 0.0, "auto": 0.0, "plain": 0.0}
+    modes = ("tree", "auto", "plain")
+    tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
     chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
-    for prompt in ids:
-        for mode in tokens:
+    for n, prompt in enumerate(ids):
+        for mode in modes[n % 3:] + modes[:n % 3]:  # each mode leads in turn: no order favours one
             start = time.perf_counter()
             out = generate(target, [prompt], draft=None if mode == "plain" else draft, tree=tuned.tree, mode=mode,
                            chooser=chooser, max_new_tokens=config.eval_max_new_tokens,

@@ -116,6 +116,19 @@ def resolve_source(source: str) -> str:
     return str(_model_folder(out))
 
 
+def pin_registry_uri(source: str | None) -> str | None:
+    """`models:/<name>@<alias>` -> `models:/<name>/<version>` of the version the alias names now; anything else
+    unchanged. A job resolves an alias once, on its driver, and hands the pinned URI to every worker or replica:
+    an alias moved meanwhile (a promotion) then cannot give two of them different versions."""
+    if not source or not is_registry_uri(source):
+        return source
+    from pipelines import tracking
+
+    tracking.configure()
+    name, version = registry_version(source)
+    return f"{REGISTRY_PREFIX}{name}/{version}"
+
+
 def registry_version(source: str) -> tuple[str, str]:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> (name, version number)."""
     from mlflow import MlflowClient

@@ -158,3 +158,33 @@ def test_a_warm_started_candidate_takes_the_fine_tuning_rate(tmp_path, monkeypat
     _train_scale(RetrainConfig(work=str(tmp_path), train=train), 40, str(tmp_path / "features"), init_from)
     assert seen[0].init_from == init_from
     assert seen[0].lr == (lr if lr is not None else TrainJobConfig.lr)
+
+
+def test_the_evaluation_rotates_which_mode_decodes_a_prompt_first(tiny_target, monkeypatch):
+    """Tree, auto and plain decode each prompt in turn; each leads on every third prompt, so a slow spell of the
+    machine or a warm-up cost is not charged to one mode's side of the speed-up."""
+    import types
+
+    import eagle_core.chat
+    import eagle_core.generate
+    from pipelines.retrain import evaluate_draft
+    from tests.decode_helpers import echo_draft
+
+    real, order = eagle_core.generate.generate, []
+
+    def recording(target, ids, **kw):
+        order.append((ids[0][0], kw["mode"]))
+        return real(target, ids, **kw)
+
+    monkeypatch.setattr(eagle_core.generate, "generate", recording)
+    monkeypatch.setattr(eagle_core.chat, "prompt_ids", lambda tok, messages: [int(messages[0]["content"]), 5, 9, 2])
+    prompts = [[{"role": "user", "content": str(n)}] for n in (11, 12, 13, 14)]
+    config = RetrainConfig(eval_tree=TreeConfig(top_k=2, depth=2, total_tokens=4), eval_max_new_tokens=6)
+    result = evaluate_draft(tiny_target, types.SimpleNamespace(eos_token_id=None), echo_draft(tiny_target), prompts,
+                            config)
+    per_prompt = {}
+    for first_token, mode in order[-12:]:  # the timed decodes follow the auto-tune's calibration
+        per_prompt.setdefault(first_token, []).append(mode)
+    assert per_prompt == {11: ["tree", "auto", "plain"], 12: ["auto", "plain", "tree"],
+                          13: ["plain", "tree", "auto"], 14: ["tree", "auto", "plain"]}
+    assert result["prompts"] == 4 and result["speedup"] > 0 and result["tree_speedup"] > 0

@@ -100,11 +100,11 @@ def test_multi_node_run_refuses_a_node_local_mlflow_store(monkeypatch):
 def test_registry_drafts_are_cached_per_version_and_leave_no_temporary_files(tmp_path, monkeypatch):
     """`models:/name@alias` resolves to a folder in the node's cache, downloaded once per registered version (a
     replica or evaluation task re-resolving the champion reuses it; nothing is left in the temp dir), and a
-    moved alias resolves to the new version's files."""
+    moved alias resolves to the new version's files, while a URI pinned before the move keeps the old ones."""
     import tempfile
 
     from pipelines.retrain import register_draft_folder
-    from pipelines.storage import resolve_source
+    from pipelines.storage import pin_registry_uri, resolve_source
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("EAGLE3_WORK", str(tmp_path / "work"))
@@ -124,9 +124,14 @@ def test_registry_drafts_are_cached_per_version_and_leave_no_temporary_files(tmp
     assert first.startswith(str(tmp_path / "cache" / "registry"))
     assert json.loads((Path(first) / "config.json").read_text()) == {"n": 0}
     assert resolve_source("models:/cached@champion") == first == resolve_source("models:/cached/1")
+    pinned = pin_registry_uri("models:/cached@champion")  # what a job's driver hands its workers
+    assert pinned == "models:/cached/1"
     register_draft_folder(str(drafts[1]), "cached")  # version 2 becomes the champion
     second = resolve_source("models:/cached@champion")
     assert second != first and json.loads((Path(second) / "config.json").read_text()) == {"n": 1}
+    assert resolve_source(pinned) == first  # a worker resolving the pinned URI after the move gets the same files
+    assert pin_registry_uri("models:/cached@champion") == "models:/cached/2"
+    assert pin_registry_uri(str(drafts[0])) == str(drafts[0]) and pin_registry_uri(None) is None
     assert list((tmp_path / "tmp").iterdir()) == []
     with pytest.raises(ValueError, match="expected models:/"):
         resolve_source("models:/cached/latest")

@@ -11,6 +11,7 @@ acceptance-per-position PNGs, and a new version of `registered_model_name` with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from pathlib import Path
 import fsspec
 
 from pipelines.cluster import alive_nodes
-from pipelines.storage import arrow_filesystem, join, local_path, upload_folder, url_to_fs
+from pipelines.storage import arrow_filesystem, join, local_path, pin_registry_uri, upload_folder, url_to_fs
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.faults import fault_step_from_env
 from pipelines.train.lineage import Lineage
@@ -158,6 +159,8 @@ def run_train(config: TrainJobConfig) -> dict:
     from pipelines import tracking
 
     started = time.perf_counter()
+    # one version of a models:/...@alias warm start for the vocabulary here and the weights on every worker
+    config = dataclasses.replace(config, init_from=pin_registry_uri(config.init_from))
     world = config.num_workers
     previous = _previous_run(config)
     if previous and not config.resume:
