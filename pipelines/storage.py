@@ -118,8 +118,8 @@ def resolve_source(source: str) -> str:
 
 def pin_registry_uri(source: str | None) -> str | None:
     """`models:/<name>@<alias>` -> `models:/<name>/<version>` of the version the alias names now; anything else
-    unchanged. A job resolves an alias once, on its driver, and hands the pinned URI to every worker or replica:
-    an alias moved meanwhile (a promotion) then cannot give two of them different versions."""
+    unchanged. A training driver resolves its warm start's alias once and hands the pinned URI to every worker:
+    an alias moved meanwhile (a promotion) then cannot give the driver and a worker different versions."""
     if not source or not is_registry_uri(source):
         return source
     from pipelines import tracking

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -251,9 +251,5 @@ def deployment_options(options: DeploymentOptions) -> dict:
 
 def build_app(args: dict | None = None):
     """Application builder for `serve run` / `serve deploy` (import path `pipelines.serve.app:build_app`)."""
-    from pipelines.storage import pin_registry_uri
-
     config, options = split_args(args)
-    # every replica, including those autoscaling adds later, loads the draft version the alias names now
-    config = replace(config, draft=pin_registry_uri(config.draft))
     return SpecDecodeServer.options(**deployment_options(options)).bind(config.to_dict())
