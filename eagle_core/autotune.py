@@ -69,6 +69,13 @@ class AutotuneResult:
         return asdict(self)
 
 
+def rotation(items, turn: int) -> list:
+    """`items` starting from the one at `turn` (mod its length): over len(items) turns each leads once."""
+    items = list(items)
+    start = turn % len(items)
+    return items[start:] + items[:start]
+
+
 def interleaved_ms(device, cases: dict, repeats: int = 9) -> dict:
     """Median wall time (ms) of every case {key: (run, undo or None)}, timed round-robin (`undo`, untimed, puts
     the state back after each run, so every repeat times the same work): each repeat runs every case once, starting from a
@@ -78,8 +85,7 @@ def interleaved_ms(device, cases: dict, repeats: int = 9) -> dict:
     keys = list(cases)
     times = {key: [] for key in keys}
     for rep in range(repeats + 1):
-        start = rep % len(keys)
-        for key in keys[start:] + keys[:start]:
+        for key in rotation(keys, rep):
             run, undo = cases[key]
             t0 = clock(device)
             run()

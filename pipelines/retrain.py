@@ -94,7 +94,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
     interleaved, the three in rotating order) with that tree every round, with the auto policy (trees only
     where they pay: what a user gets) and plainly (the baseline of both speed-ups)."""
-    from eagle_core.autotune import DEFAULT_SIZES, autotune
+    from eagle_core.autotune import DEFAULT_SIZES, autotune, rotation
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
     from eagle_core.policy import ModeChooser
@@ -109,7 +109,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
     chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
     for n, prompt in enumerate(ids):
-        for mode in modes[n % 3:] + modes[:n % 3]:  # each mode leads in turn: no order favours one
+        for mode in rotation(modes, n):  # each mode leads in turn: no order favours one
             start = time.perf_counter()
             out = generate(target, [prompt], draft=None if mode == "plain" else draft, tree=tuned.tree, mode=mode,
                            chooser=chooser, max_new_tokens=config.eval_max_new_tokens,
