@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, lm_logits, target_forward
-from eagle_core.tree import Tree, TreeConfig, draft_tree
+from eagle_core.tree import Tree, TreeConfig, chain_accept_length, draft_tree
 from eagle_core.verify import SamplingConfig, accept, accept_on_path, sample_next, verify_hidden
 
 MODES = ("tree", "chain", "plain")
@@ -156,6 +156,14 @@ class Step:
     verify_s: float  # target forward(s) with acceptance and cache update; for a prefill the whole prefill
     round: RoundOutput | None = None  # the tensors of a tree/chain round (instrumentation)
     catch_up_s: float = 0.0  # of draft_s: feeding the draft what earlier plain steps deferred
+    # Tokens the other modes would have committed on the same rows in this round: plain one per row; a chain
+    # of the tree's depth what `chain_accept_length` reads off a tree round. The auto policy compares modes on
+    # the same text with them (`ModeChooser.record`).
+    also: dict[str, int] | None = None
+
+    @property
+    def committed(self) -> int:
+        return sum(len(t) for t in self.tokens)
 
     @property
     def round_seconds(self) -> float:
@@ -231,7 +239,10 @@ class DecodingState:
         self.root, self.draft_hidden = out.root, out.draft_hidden
         accept_lengths = out.accept_length.tolist()
         tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
-        return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s)
+        also = {"plain": self.batch_size}
+        if mode == "tree":
+            also["chain"] = self.batch_size + int(chain_accept_length(out.tree, out.path, out.accept_length).sum())
+        return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s, also)
 
     def _plain_step(self) -> Step:
         """With a draft, the step's features are kept (deferred) so that trees can resume later."""

@@ -169,7 +169,7 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
         else:
             rows = state.batch_size
             step = state.step(chooser.choose(rows))
-            chooser.record(rows, step.mode, sum(len(t) for t in step.tokens), step.round_seconds)
+            chooser.record(rows, step.mode, step.committed, step.round_seconds, step.also)
     for r in requests:
         r.stats.new_tokens = len(r.tokens)
     texts = [tokenizer.decode(r.tokens) for r in requests] if tokenizer is not None else None

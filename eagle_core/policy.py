@@ -16,26 +16,39 @@ class ModeChooser:
 
     Whether a tree pays depends on tau (the draft, the workload) and on how much a B x (total_tokens+1)
     verification costs over a B-token step (the hardware): tree wins iff tau_tree / t_tree(B) >
-    1 / t_plain(B). Both sides are measured here, per batch-size bucket (powers of two), as committed
-    tokens over seconds, both exponentially decayed sums. Every mode is tried `warmup_rounds` times
-    first; afterwards the best one runs, and each other mode is re-measured now and then so that a change
-    of load or workload is noticed: `explore_every` rounds after it last ran, an interval that doubles
-    (up to `max_explore_every`) each time it is still more than `margin` below the best, so a mode that
-    clearly loses costs ever less while a close contender keeps being measured (one round's tokens are
-    noisy). A tree round is charged its own cost, not the catch-up of the plain steps before it.
-    Switching costs nothing: every mode is lossless and keeps the caches in the same state.
+    1 / t_plain(B). Both halves are measured here, per batch-size bucket (powers of two) and per row, as
+    exponentially decayed sums: what a round of each mode costs (seconds, from its own rounds) and what it
+    yields (committed tokens). A round also says what the other modes would have committed on the same text
+    (`Step.also`: plain one token per row, a chain what the tree's accepted path shows), so yields are
+    compared on the same rounds, not on whichever text each mode happened to meet: text varies far more from
+    round to round than a mode's cost does, and a mode judged on a lucky stretch used to run on while the
+    better one waited for its next re-measurement. Every mode is tried `warmup_rounds` times first;
+    afterwards the best one runs, and each other mode is re-measured now and then so that a change of load or
+    workload is noticed: `explore_every` rounds after it last ran, an interval that doubles (up to
+    `max_explore_every`) each time it is still more than `margin` below the best, so a mode that clearly
+    loses costs ever less while a close contender keeps being measured. A tree round is charged its own
+    cost, not the catch-up of the plain steps before it. Switching costs nothing: every mode is lossless and
+    keeps the caches in the same state.
+
+    `alpha` 0.02 (a memory of ~50 rounds): a slow spell of the machine and a stretch of hard text each last
+    tens of rounds, and with 0.1 (~10 rounds) they handed whole requests to plain or chain. Measured on the
+    2-core CPU, the shipped draft, 6 MT-bench prompts x 64 tokens (`pipelines.retrain.evaluate_draft`): the
+    auto policy ran at 1.10-1.15x plain where the tuned tree on every round ran 1.26-1.28x; with 0.02,
+    1.14-1.17x beside 1.14-1.20x.
     """
 
-    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.1, warmup_rounds: int = 2,
+    def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.02, warmup_rounds: int = 2,
                  max_explore_every: int = 256, margin: float = 0.1):
         self.modes, self.explore_every, self.alpha = tuple(modes), explore_every, alpha
         self.warmup_rounds, self.max_explore_every = warmup_rounds, max(max_explore_every, explore_every)
         self.margin = margin  # a mode within this fraction of the best is a contender: no back-off
-        # per (bucket, mode): decayed sums of committed tokens and seconds, and the number of rounds seen.
-        # A ratio of sums, not a mean of per-round rates: one unlucky round (nothing accepted) must not
-        # condemn a mode that pays on average.
+        # per (bucket, mode): decayed sums over rows of committed tokens (yield) and of seconds (cost), each
+        # with its decayed row count, and the number of rounds the mode ran. Ratios of sums, not means of
+        # per-round rates: one unlucky round (nothing accepted) must not condemn a mode that pays on average.
         self.tokens: dict[tuple[int, str], float] = {}
+        self.token_rows: dict[tuple[int, str], float] = {}
         self.seconds: dict[tuple[int, str], float] = {}
+        self.second_rows: dict[tuple[int, str], float] = {}
         self.samples: dict[tuple[int, str], int] = {}
         self.rounds: dict[int, int] = {}
         self.last: dict[tuple[int, str], int] = {}  # the bucket's round count when the mode last ran
@@ -46,9 +59,12 @@ class ModeChooser:
         return 1 << (batch_rows - 1).bit_length()
 
     def rate(self, batch_rows: int, mode: str) -> float | None:
-        """Measured tokens/s of `mode` at this batch size, None before its first round."""
+        """Measured tokens/s per row of `mode` at this batch size, None before its first round."""
         key = (self.bucket(batch_rows), mode)
-        return self.tokens[key] / max(self.seconds[key], 1e-9) if key in self.tokens else None
+        if key not in self.seconds:
+            return None
+        per_row_s = self.seconds[key] / self.second_rows[key]
+        return self.tokens[key] / self.token_rows[key] / max(per_row_s, 1e-12)
 
     def choose(self, batch_rows: int) -> str:
         b = self.bucket(batch_rows)
@@ -67,13 +83,22 @@ class ModeChooser:
     def best(self, batch_rows: int) -> str:
         return max(self.modes, key=lambda m: self.rate(batch_rows, m) or 0.0)
 
-    def record(self, batch_rows: int, mode: str, tokens: int, seconds: float) -> None:
+    def _add(self, sums: dict, rows: dict, key, value: float, batch_rows: int) -> None:
+        keep = 1 - self.alpha if key in sums else 0.0
+        sums[key] = keep * sums.get(key, 0.0) + value
+        rows[key] = keep * rows.get(key, 0.0) + batch_rows
+
+    def record(self, batch_rows: int, mode: str, tokens: int, seconds: float, also: dict | None = None) -> None:
+        """A round of `mode` on `batch_rows` rows committed `tokens` in `seconds`; `also`: {other mode: tokens it
+        would have committed on the same rows} (`Step.also`), which counts toward those modes' yields only."""
         b = self.bucket(batch_rows)
         key = (b, mode)
         self.rounds[b] = self.rounds.get(b, 0) + 1
-        keep = 1 - self.alpha if key in self.tokens else 0.0
-        self.tokens[key] = keep * self.tokens.get(key, 0.0) + tokens
-        self.seconds[key] = keep * self.seconds.get(key, 0.0) + seconds
+        self._add(self.tokens, self.token_rows, key, tokens, batch_rows)
+        self._add(self.seconds, self.second_rows, key, seconds, batch_rows)
+        for other, other_tokens in (also or {}).items():
+            if other != mode and other in self.modes:
+                self._add(self.tokens, self.token_rows, (b, other), other_tokens, batch_rows)
         self.samples[key] = self.samples.get(key, 0) + 1
         self.last[key] = self.rounds[b]
         if self.samples[key] > self.warmup_rounds:  # a re-measurement: back off while it clearly loses

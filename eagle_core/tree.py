@@ -87,6 +87,25 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+def chain_accept_length(tree: Tree, path: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+    """[B] draft tokens a chain of the same depth would have accepted in this round.
+
+    A chain is the draft's best child at every level; in the tree that is the child with the lowest rank among
+    its siblings (siblings share the parent's score, so rank orders them by their own log-prob). Every mode
+    accepts a node iff its token is the target's token at that position (greedy or with the position's
+    noise, `verify.accept`), so the accepted path decides: the chain would have accepted the path's leading
+    nodes that are each their parent's best child (a lower bound where the chain's next node fell outside the
+    tree: the rerank dropped it, or its parent was not on a level's frontier). path: [B, W] accepted nodes,
+    root first."""
+    b, n = tree.parents.shape
+    best = torch.full((b, n), torch.iinfo(tree.rank.dtype).max, dtype=tree.rank.dtype, device=tree.rank.device)
+    best = best.scatter_reduce(1, tree.parents[:, 1:], tree.rank[:, 1:], "amin")  # parent -> its best child's rank
+    is_best = tree.rank == best.gather(1, tree.parents)  # [B, N]; the root (rank 0 vs >= 1) is not
+    steps = torch.arange(path.shape[1] - 1, device=path.device)[None, :]
+    along = is_best.gather(1, path[:, 1:]) & (steps < accept_length[:, None])
+    return along.long().cumprod(dim=1).sum(dim=1)
+
+
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, rank: torch.Tensor | None = None,
                       score: torch.Tensor | None = None) -> Tree:
     """Build a `Tree` from tokens [B, N] and parents [B, N] (parents[:, i] < i for i > 0, parents[:, 0] = 0)."""

@@ -141,3 +141,33 @@ def test_engine_auto_modes_and_admission_equal_plain(damped, sampling):
         assert done[i].token_ids == plain[i]
         modes |= {m for m, n in done[i].stats.modes.items() if n}
     assert modes == {"tree", "chain", "plain"}
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.1, top_k=50)],
+                         ids=["greedy", "sampled"])  # cold: the tiny model's logits are flat
+@torch.inference_mode()
+def test_a_tree_round_says_what_a_chain_would_have_accepted(damped, sampling):
+    """`Step.also["chain"]` (the auto policy compares tree and chain on the same rounds with it): from the same
+    state, a chain round accepts exactly what the tree round's counterfactual says when the tree holds every
+    candidate of two levels (so every node the chain would draft), and no more than it where a deeper tree
+    was pruned."""
+    prompts = random_prompts(16, 512, seed=11)
+    seeds = list(range(200, 216))
+    draft = echo_draft(damped)
+    with torch.no_grad():  # a noisy head: its best guess is often wrong where a sibling is right
+        head = draft.get_parameter("lm_head.weight")
+        head.add_(2 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(0), dtype=head.dtype))
+    for tree, exact in ((TreeConfig(4, 2, 20), True), (TreeConfig(3, 4, 6), False)):
+        rounds = {}
+        for mode in ("tree", "chain"):
+            state, _ = DecodingState.prefill(damped, draft, prompts, sampling, tree, seeds)
+            rounds[mode] = state.step(mode)
+        tree_step, chain_step = rounds["tree"], rounds["chain"]
+        assert tree_step.also["plain"] == chain_step.also["plain"] == len(prompts)
+        assert chain_step.committed == len(prompts) + sum(chain_step.accept_lengths)
+        if exact:
+            assert tree_step.also["chain"] == chain_step.committed
+            # not trivial: the tree accepted more than the chain somewhere, and the chain accepted something
+            assert tree_step.committed > chain_step.committed > len(prompts)
+        else:
+            assert tree_step.also["chain"] <= chain_step.committed

@@ -72,3 +72,33 @@ def test_a_clearly_losing_mode_is_remeasured_ever_less_often():
     gaps = [b - a for a, b in zip(explored, explored[1:])]
     assert gaps[:3] == sorted(gaps[:3]) and gaps[0] < gaps[2]  # backing off
     assert max(gaps) <= 64 + 1 and len(explored) >= 5  # but never forgotten
+
+
+def test_modes_are_compared_on_the_same_rounds():
+    """A chain that met easy text in its own two rounds must not win over the tree, when the tree's rounds show
+    what the chain would have accepted there (`Step.also`): the yields are compared on the same text."""
+    chooser = ModeChooser(modes=("tree", "chain"), explore_every=0, warmup_rounds=2)
+    picks = []
+    for _ in range(12):
+        mode = chooser.choose(1)
+        picks.append(mode)
+        if mode == "tree":  # 3 tokens a round; a chain would have committed 1 of them
+            chooser.record(1, "tree", tokens=3, seconds=1.2, also={"chain": 1, "plain": 1})
+        else:  # the chain's own rounds happened to be easy ones
+            chooser.record(1, "chain", tokens=3, seconds=1.0, also={"plain": 1})
+    assert picks[:4] == ["tree", "chain", "tree", "chain"]
+    assert picks[4:] == ["tree"] * 8
+
+
+def test_a_hard_stretch_of_text_does_not_turn_speculation_off():
+    """Trees pay 1.2x plain on average here; six rounds in a row where the draft gets nothing right (a table,
+    a name) are a stretch of text, not a change of workload, and must not hand the rounds to plain."""
+    chooser = ModeChooser(modes=("tree", "plain"), explore_every=0, warmup_rounds=2)
+    rows = 10  # per row: 1.7 tokens per tree round at 1.4 plain steps
+    for n in range(52):
+        mode = chooser.choose(rows)
+        if n >= 4:  # after the warm-up
+            assert mode == "tree", n
+        hard = 40 <= n < 46
+        tokens = rows if mode == "plain" or hard else 17
+        chooser.record(rows, mode, tokens=tokens, seconds=1.4 if mode == "tree" else 1.0, also={"plain": rows})

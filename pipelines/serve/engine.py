@@ -327,7 +327,7 @@ class Engine:
             mode = choose_mode(b, self.config, self.draft is not None)
         step = lane.state.step(mode)
         if self.chooser is not None:
-            self.chooser.record(b, mode, sum(len(t) for t in step.tokens), step.round_seconds)
+            self.chooser.record(b, mode, step.committed, step.round_seconds, step.also)
         for i, row in enumerate(lane.rows):
             row.record(step, i)
         if self.metrics is not None:
