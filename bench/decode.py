@@ -423,6 +423,8 @@ def main(argv=None):
             chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
         tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)
         runner = runners[SHORT[dtype]] = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
+        if tuned[SHORT[dtype]] is not None:  # the auto policy starts from what the auto-tune measured
+            tuned[SHORT[dtype]].prime(runner.chooser)
         for m in methods:  # warm-up: first-call costs stay out of the measurement
             runner.run(m, calib[0][:64], 4)
             variants[f"{m} {SHORT[dtype]}"] = (runner, m)

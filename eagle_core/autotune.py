@@ -68,6 +68,14 @@ class AutotuneResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def prime(self, chooser, rounds: int = 8) -> None:
+        """Start an auto policy (`ModeChooser`, batch 1) from what this measured: the chosen tree's tau and
+        expected round time, and a plain step's time, as `rounds` rounds each."""
+        key = f"{self.depth}/{self.total_tokens}"
+        tau = self.tau[key]
+        chooser.prime(1, "tree", tau, tau / self.expected_tokens_per_s[key], rounds)
+        chooser.prime(1, "plain", 1.0, 1.0 / self.plain_tokens_per_s, rounds)
+
 
 def rotation(items, turn: int) -> list:
     """`items` starting from the one at `turn` (mod its length): over len(items) turns each leads once."""

@@ -66,6 +66,17 @@ class ModeChooser:
         per_row_s = self.seconds[key] / self.second_rows[key]
         return self.tokens[key] / self.token_rows[key] / max(per_row_s, 1e-12)
 
+    def prime(self, batch_rows: int, mode: str, tokens: float, seconds: float, rounds: int = 8) -> None:
+        """Start `mode`'s estimates from an offline measurement (the auto-tune's, `AutotuneResult.prime`): as if it
+        had run `rounds` rounds committing `tokens` in `seconds` each (no warm-up rounds for it, no back-off).
+        Two warm-up rounds decide by a coin flip (one round commits 1 to depth + 1 tokens) and a mode that lost
+        it is then re-measured ever less often; measured rounds outweigh the prior within a few dozen rounds."""
+        key = (self.bucket(batch_rows), mode)
+        weight = sum((1 - self.alpha) ** i for i in range(rounds))
+        self.tokens[key], self.token_rows[key] = weight * tokens, weight * batch_rows
+        self.seconds[key], self.second_rows[key] = weight * seconds, weight * batch_rows
+        self.samples[key] = max(self.samples.get(key, 0), rounds)
+
     def choose(self, batch_rows: int) -> str:
         b = self.bucket(batch_rows)
         n = self.rounds.get(b, 0)

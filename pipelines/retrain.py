@@ -93,7 +93,8 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     `config.eval_tree`; the same run gives the tau of every smaller tree, so `eagle_core.autotune` picks the
     tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
     interleaved, the three in rotating order) with that tree every round, with the auto policy (trees only
-    where they pay: what a user gets) and plainly (the baseline of both speed-ups)."""
+    where they pay: what a user gets; it starts from the auto-tune's measurements) and plainly (the baseline
+    of both speed-ups)."""
     from eagle_core.autotune import DEFAULT_SIZES, autotune, rotation
     from eagle_core.chat import prompt_ids
     from eagle_core.generate import generate
@@ -108,6 +109,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     modes = ("tree", "auto", "plain")
     tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
     chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
+    tuned.prime(chooser)  # starting from the auto-tune's measurements, not from two rounds of each mode
     for n, prompt in enumerate(ids):
         for mode in rotation(modes, n):  # each mode leads in turn: no order favours one
             start = time.perf_counter()

@@ -102,3 +102,21 @@ def test_a_hard_stretch_of_text_does_not_turn_speculation_off():
         hard = 40 <= n < 46
         tokens = rows if mode == "plain" or hard else 17
         chooser.record(rows, mode, tokens=tokens, seconds=1.4 if mode == "tree" else 1.0, also={"plain": rows})
+
+
+def test_a_primed_policy_starts_from_the_measurement_and_still_checks_it():
+    """`prime` (the auto-tune's estimates): the primed modes need no warm-up coin flips, the unprimed one still
+    gets its warm-up, plain keeps being re-measured on schedule, and measured rounds overturn a wrong prior."""
+    chooser = ModeChooser(explore_every=8)
+    chooser.prime(1, "tree", tokens=2.0, seconds=1.4)  # the auto-tune expected 1.43 tokens per plain-step time
+    chooser.prime(1, "plain", tokens=1.0, seconds=1.0)
+    picks = []
+    for _ in range(200):
+        mode = chooser.choose(1)
+        picks.append(mode)
+        # the truth here: the tree commits only 1.2 tokens a round (every fifth round 2), so plain pays
+        tokens = {"tree": 2 if len(picks) % 5 == 0 else 1, "chain": 1, "plain": 1}[mode]
+        chooser.record(1, mode, tokens, {"tree": 1.4, "chain": 1.2, "plain": 1.0}[mode], also={"plain": 1})
+    assert picks[:2] == ["chain", "chain"] and picks[2] == "tree"
+    assert "plain" in picks[3:12]  # re-measured after explore_every rounds, not backed off by the priming
+    assert picks[-50:].count("plain") >= 40  # the measurements won
