@@ -120,7 +120,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
             tokens[mode] += out.stats[0].new_tokens
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
     return {"tau": tuned.tau[f"{full.depth}/{full.size}"],  # the calibration tree itself
-            "tuned_tree": str(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
+            "tuned_tree": asdict(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
             "plain_tokens_per_s": tps["plain"], "speedup": tps["auto"] / max(tps["plain"], 1e-9),
             "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "prompts": len(prompts)}
 
