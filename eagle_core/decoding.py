@@ -237,11 +237,14 @@ class DecodingState:
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
                                  self.sampling, self.seeds, self.aux_layer_ids)
         self.root, self.draft_hidden = out.root, out.draft_hidden
-        accept_lengths = out.accept_length.tolist()
-        tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
         also = {"plain": self.batch_size}
-        if mode == "tree":
-            also["chain"] = self.batch_size + int(chain_accept_length(out.tree, out.path, out.accept_length).sum())
+        if mode == "tree":  # fetched with the accept lengths: one device transfer per round
+            chain = chain_accept_length(out.tree, out.path, out.accept_length)
+            accept_lengths, chain_lengths = torch.stack([out.accept_length, chain]).tolist()
+            also["chain"] = self.batch_size + sum(chain_lengths)
+        else:
+            accept_lengths = out.accept_length.tolist()
+        tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
         return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s, also)
 
     def _plain_step(self) -> Step:

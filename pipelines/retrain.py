@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
@@ -107,7 +108,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     tuned = autotune(target, draft, ids, top_k=full.top_k, depth=full.depth, sizes=sizes, context_tokens=context,
                      max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     modes = ("tree", "auto", "plain")
-    tokens, seconds, auto_rounds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), {}
+    tokens, seconds, auto_rounds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), Counter()
     chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
     tuned.prime(chooser)  # starting from the auto-tune's measurements, not from two rounds of each mode
     for n, prompt in enumerate(ids):
@@ -119,13 +120,12 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
             seconds[mode] += time.perf_counter() - start
             tokens[mode] += out.stats[0].new_tokens
             if mode == "auto":
-                for picked, rounds in out.stats[0].modes.items():
-                    auto_rounds[picked] = auto_rounds.get(picked, 0) + rounds
+                auto_rounds.update(out.stats[0].modes)
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
     return {"tau": tuned.tau[f"{full.depth}/{full.size}"],  # the calibration tree itself
             "tuned_tree": asdict(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
             "plain_tokens_per_s": tps["plain"], "speedup": tps["auto"] / max(tps["plain"], 1e-9),
-            "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "auto_rounds": auto_rounds,
+            "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "auto_rounds": dict(auto_rounds),
             "prompts": len(prompts)}
 
 
