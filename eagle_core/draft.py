@@ -22,8 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_core.kv import small_query_attention, use_small_query_attention
-
 LM_HEAD_INITS = ("random", "target")
 
 
@@ -391,13 +389,10 @@ class Eagle3Draft(nn.Module):
             keys, values = past_kv.update(k, v)
         if attention_mask is None:
             attention_mask = causal_mask_with_cache(q.shape[2], keys.shape[2], q.device)
-        if use_small_query_attention(q):  # bf16 on a CPU, 2-64 tokens: two matmuls (see eagle_core.kv)
-            out = small_query_attention(q, keys, values, attention_mask, self.config.head_dim ** -0.5)
-        else:
-            # SDPA's own grouped-query support reads each kv head for its query heads: no repeated copy of the
-            # cache per call (the same values as repeat_kv, bit for bit; 1.8 vs 5.1 ms at 4 rows x 1000 cached).
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        # SDPA's own grouped-query support reads each kv head for its query heads: no repeated copy of the cache per
+        # call (the same values as repeat_kv, bit for bit; 1.8 vs 5.1 ms at 4 rows x 1000 cached).
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.finish_layer(out, residual), (k, v)
 
     def compute_logits(self, out_hidden):
