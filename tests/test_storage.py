@@ -62,6 +62,27 @@ def test_missing_remote_folder_is_a_clear_error(s3_endpoint, tmp_path, monkeypat
     assert not exists("s3://eagle3/models/nothing-here")
 
 
+@pytest.mark.parametrize("key", ["../../../../escape.txt", "sub/../../../../escape.txt", "sub/./x.txt", "a//b.txt"])
+def test_a_remote_key_outside_the_folder_is_refused_and_nothing_is_written(s3_endpoint, tmp_path, monkeypatch, key):
+    """Object keys are plain strings; `<folder>/../../x` is a valid S3 key that a path join would place outside the
+    cache. The whole fetch is refused, naming the key, before any file is written."""
+    import boto3
+
+    cache = tmp_path / "deep" / "er" / "cache"
+    monkeypatch.setenv("EAGLE3_CACHE", str(cache))
+    s3 = boto3.client("s3")
+    folder = f"models/evil-{abs(hash(key))}"
+    s3.put_object(Bucket="eagle3", Key=f"{folder}/config.json", Body=b"{}")
+    s3.put_object(Bucket="eagle3", Key=f"{folder}/{key}", Body=b"outside")
+    assert f"eagle3/{folder}/{key}" in fsspec.filesystem("s3").find(f"eagle3/{folder}")  # kept literally by S3
+    before = {p for p in tmp_path.rglob("*")}
+    with pytest.raises(ValueError, match="refusing to fetch object"):
+        fetch_folder(f"s3://eagle3/{folder}")
+    written = [p for p in tmp_path.rglob("*") if p not in before and p.is_file()]
+    assert written == []  # neither the escaping file nor the rest of the folder
+    assert not list(tmp_path.rglob("escape.txt"))
+
+
 def test_hub_id_target_loads_offline_from_a_prepared_hub_cache(tiny_folder, tmp_path, smollm2_tokenizer):
     """A hub id resolves through huggingface_hub's own cache; HF_HUB_OFFLINE=1 means no network is tried."""
     folder, model = tiny_folder
