@@ -24,12 +24,18 @@ The engines read two different keys, in two conventions:
                                                 when the top-level key is       vLLM: hidden_states[s]
                                                 absent
 
-Rule: every key is written in the convention of the engine that will read it. The top-level key is
-always ours (only vLLM reads it, and reads it first). The nested key follows `engine=`: "vllm" writes
-ours, "sglang" writes ours - 1 (SGLang and SpecForge add 1 back). A marker block `eagle3_pipeline_export`
-records the engine and our ids, so our loader never has to guess; a checkpoint without it (trained
-elsewhere) is read with `load_draft(..., convention="sglang"|"vllm")`. The engines' defaults
-(`[2, N//2, N-3]` in ours, `[1, N//2-1, N-4]` in SGLang's) name the same layers, so only custom ids differ.
+Rule: every key is written in the convention of the engines that read it, so one folder serves all of
+them. The top-level key holds ours (only vLLM reads it, and reads it first); the nested key holds ours - 1
+(SGLang and SpecForge add 1 back). Both keys are always written, so no vLLM version reaches its fallback to
+the nested key. A marker block `eagle3_pipeline_export` records our ids and the conventions, so our loader
+never has to guess; a checkpoint without it (trained elsewhere) is read with
+`load_draft(..., convention="sglang"|"vllm")`. Folders written before this rule (nested key = ours, marker
+engine "vllm") are read right by our loader and vLLM, but SGLang captures one layer deeper from them:
+`refresh_export_config(folder)` rewrites their config.json (weights untouched).
+
+What remains engine-specific: id 0 (the embeddings) is -1 in SGLang's convention, which SpecForge refuses,
+and vLLM's Llama forward adds a residual that does not exist before layer 0; `save_draft` warns about it.
+The `speculators` layout is vLLM's only and holds drafts as wide as their target (`export_speculators`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_core.draft import DraftConfig, Eagle3Draft
-from eagle_core.target import default_aux_layer_ids, local_folder
+from eagle_core.target import local_folder
 from eagle_core.vocab import check_vocab_mapping
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -51,12 +57,15 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 OUR_KEY = "eagle3_pipeline"
-EXPORT_KEY = "eagle3_pipeline_export"  # marker: which engine the nested aux-id key was written for
-ENGINES = ("vllm", "sglang")
+EXPORT_KEY = "eagle3_pipeline_export"  # marker: our ids and the convention of each aux-id key
+ENGINES = ("vllm", "sglang", "specforge")
 CONVENTIONS = ("ours", "vllm", "sglang", "specforge")  # vllm == ours; specforge == sglang
-AUX_ID_RULE = ("top-level eagle_aux_hidden_state_layer_ids: output_hidden_states index (vLLM); "
-               "eagle_config.eagle_aux_hidden_state_layer_ids: the engine named by eagle3_pipeline_export.engine "
-               "(vllm: output_hidden_states index; sglang: decoder layer whose output is captured = index - 1)")
+# The convention each aux-id key of an EAGLE-3 folder is written in (the rule above).
+KEY_CONVENTIONS = {"eagle_aux_hidden_state_layer_ids": "vllm",
+                   "eagle_config.eagle_aux_hidden_state_layer_ids": "sglang"}
+AUX_ID_RULE = ("top-level eagle_aux_hidden_state_layer_ids: output_hidden_states index, read by vLLM; "
+               "eagle_config.eagle_aux_hidden_state_layer_ids: index - 1 (the decoder layer whose output is "
+               "captured), read by SGLang and SpecForge, which add 1 back")
 # Short target names that no engine can resolve, mapped to the hub model they were made from.
 RESOLVABLE_VERIFIERS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -95,7 +104,8 @@ def _layer_fields(cfg: DraftConfig) -> dict:
 
 
 def to_engine_ids(aux_layer_ids, engine: str) -> list[int]:
-    """Our aux ids (output_hidden_states indices) as `engine` reads the nested `eagle_config` key."""
+    """Our aux ids (output_hidden_states indices) in `engine`'s convention ("vllm": as ours; "sglang" and
+    "specforge": ours - 1, the decoder layer whose output is captured)."""
     if engine == "vllm":
         return [int(i) for i in aux_layer_ids]
     if engine in ("sglang", "specforge"):
@@ -112,8 +122,12 @@ def from_engine_ids(ids, convention: str) -> list[int]:
     raise ValueError(f"unknown aux layer id convention {convention!r}: expected one of {CONVENTIONS}")
 
 
-def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype, engine: str = "vllm") -> dict:
-    cfg = draft.config
+def _dtype_name(dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def eagle3_config_from(cfg: DraftConfig, dtype_name: str) -> dict:
+    """The EAGLE-3 config.json of a draft described by `cfg`: one folder that vLLM, SGLang and SpecForge read."""
     ours = [int(i) for i in cfg.aux_layer_ids]
     return {
         "architectures": [EAGLE3_ARCHITECTURE],
@@ -122,13 +136,18 @@ def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype, engine: str = "vl
         "target_hidden_size": cfg.target_hidden_size,
         # Our residual stream is the un-normalised hidden state; say so rather than rely on defaults.
         "norm_before_residual": False,
-        # vLLM reads the top-level key first, in our convention; SGLang/SpecForge read the nested one (rule above).
-        "eagle_aux_hidden_state_layer_ids": ours,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": to_engine_ids(ours, engine), "use_aux_hidden_state": True},
-        "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
-        EXPORT_KEY: {"engine": engine, "aux_layer_ids": ours, "rule": AUX_ID_RULE},
+        # vLLM reads the top-level key first, in our convention; SGLang/SpecForge read the nested one in theirs.
+        "eagle_aux_hidden_state_layer_ids": to_engine_ids(ours, "vllm"),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": to_engine_ids(ours, "sglang"),
+                         "use_aux_hidden_state": True},
+        "torch_dtype": dtype_name,
+        EXPORT_KEY: {"aux_layer_ids": ours, "conventions": dict(KEY_CONVENTIONS), "rule": AUX_ID_RULE},
         OUR_KEY: cfg.to_dict(),
     }
+
+
+def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
+    return eagle3_config_from(draft.config, _dtype_name(dtype))
 
 
 def resolve_verifier(verifier, config: DraftConfig | None = None) -> str:
@@ -175,7 +194,7 @@ def speculators_config_json(draft: Eagle3Draft, dtype: torch.dtype, verifier,
             "verifier": {"name_or_path": resolve_verifier(verifier, cfg),
                          "architectures": ["LlamaForCausalLM"]},
         },
-        "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "torch_dtype": _dtype_name(dtype),
         OUR_KEY: cfg.to_dict(),
     }
 
@@ -274,25 +293,57 @@ def _write(folder, config: dict, tensors: dict) -> Path:
     return folder
 
 
-def save_draft(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,
-               include_embeddings: bool | None = None, engine: str = "vllm") -> Path:
-    """Write `draft` as config.json + model.safetensors in the vLLM/SGLang EAGLE-3 layout.
+def check_ids_for_engine(aux_layer_ids, engine: str | None = None) -> None:
+    """Warn (engine None: any engine) or refuse (a named engine) aux ids that engine cannot capture.
 
-    `engine` names who will serve the folder: it decides the convention of the nested
-    `eagle_config.eagle_aux_hidden_state_layer_ids` key ("vllm": ours; "sglang": ours - 1, which SGLang and
-    SpecForge read back as ours). The top-level key is always ours, for vLLM. With the default aux ids both
-    engines capture the same layers from either folder; with custom ids an SGLang server needs engine="sglang".
+    Id 0 (the embeddings) is the one id not every engine can take: it is -1 in SGLang's convention, which
+    SpecForge's id validation refuses, and vLLM's Llama forward adds a residual that does not exist yet before
+    decoder layer 0. SGLang itself captures it (its -1 + 1 = 0, the input of layer 0).
     """
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES}")
-    cfg = draft.config
-    if engine == "vllm" and cfg.target_num_hidden_layers and \
-            list(cfg.aux_layer_ids) != default_aux_layer_ids(cfg.target_num_hidden_layers):
-        warnings.warn(f"custom aux_layer_ids {list(cfg.aux_layer_ids)}: this folder is written for vLLM; SGLang would "
-                      "capture layers one deeper from it -- write an SGLang copy with save_draft(..., engine='sglang')",
-                      stacklevel=2)
+    if engine is not None and engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES} (or None for all of them)")
+    if 0 not in [int(i) for i in aux_layer_ids]:
+        return
+    unable = {"vllm": "vLLM's Llama forward adds a residual that is None before layer 0",
+              "specforge": "SpecForge refuses the id -1 that names it in its convention"}
+    if engine in unable:
+        raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} include 0 (the embeddings), which {engine} cannot "
+                         f"capture: {unable[engine]}; train with ids >= 1")
+    if engine is None:
+        warnings.warn(f"aux_layer_ids {list(aux_layer_ids)} include 0 (the embeddings): SGLang and our serving "
+                      "capture it, vLLM and SpecForge cannot (" + "; ".join(unable.values()) + ")", stacklevel=3)
+
+
+def save_draft(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,
+               include_embeddings: bool | None = None, engine: str | None = None) -> Path:
+    """Write `draft` as config.json + model.safetensors in the EAGLE-3 layout that vLLM, SGLang and SpecForge
+    all read as trained (each aux-id key in the convention of the engines that read it; module docstring).
+
+    `engine` does not change the folder; naming one ("vllm", "sglang", "specforge") refuses aux ids that engine
+    cannot capture, where None only warns about them (`check_ids_for_engine`).
+    """
+    check_ids_for_engine(draft.config.aux_layer_ids, engine)
     dtype = dtype or draft.fc.weight.dtype
-    return _write(folder, eagle3_config_json(draft, dtype, engine), _tensors_to_save(draft, dtype, include_embeddings))
+    return _write(folder, eagle3_config_json(draft, dtype), _tensors_to_save(draft, dtype, include_embeddings))
+
+
+def refresh_export_config(folder) -> Path:
+    """Rewrite the config.json of an EAGLE-3 folder of ours in the current convention; the weights stay as they are.
+
+    Folders exported before the one-folder rule hold our ids in the nested `eagle_config` key too, from which
+    SGLang and SpecForge capture one layer deeper than trained. The ids are taken from our own block
+    (`eagle3_pipeline`), so the rewrite cannot shift them; a folder without that block is refused.
+    """
+    path = Path(folder) / CONFIG_FILE
+    data = json.loads(path.read_text())
+    if OUR_KEY not in data:
+        raise ValueError(f"{path} has no {OUR_KEY!r} block: it was not written by this project, so its aux ids "
+                         "cannot be re-derived safely; load it with load_draft(convention=...) and save_draft it")
+    if "speculators_model_type" in data:
+        raise ValueError(f"{path} is a speculators export (read by vLLM from its top-level key): nothing to refresh")
+    config = config_from_json(data)
+    path.write_text(json.dumps(eagle3_config_from(config, data.get("torch_dtype", "float32")), indent=2) + "\n")
+    return Path(folder)
 
 
 def export_speculators(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,
@@ -302,7 +353,17 @@ def export_speculators(draft: Eagle3Draft, folder, dtype: torch.dtype | None = N
 
     `verifier`: the target as vLLM must resolve it -- a hub model id, a local path, or the target model
     itself (its `name_or_path`); see `resolve_verifier`. The aux ids go to the top-level key, ours = vLLM's.
+    A draft narrower or wider than its target is refused: speculators' `Eagle3DraftModel` sizes `fc` from the
+    draft's own hidden size (3·H -> H), so a [H, 3·H_target] `fc.weight` does not load there.
     """
+    cfg = draft.config
+    if cfg.hidden_size != cfg.target_hidden_size:
+        raise ValueError(
+            f"export_speculators: the draft's hidden_size {cfg.hidden_size} differs from its target's "
+            f"{cfg.target_hidden_size}; speculators' Eagle3DraftModel builds fc as 3*{cfg.hidden_size} -> "
+            f"{cfg.hidden_size}, so fc.weight {[cfg.hidden_size, 3 * cfg.target_hidden_size]} would not load. "
+            "Use save_draft (the EAGLE-3 folder, which vLLM and SGLang size from target_hidden_size)")
+    check_ids_for_engine(cfg.aux_layer_ids)
     dtype = dtype or draft.fc.weight.dtype
     tensors = {name.replace("midlayer.", "layers.0.", 1): t
                for name, t in _tensors_to_save(draft, dtype, include_embeddings).items()}

@@ -63,7 +63,9 @@ def test_eagle3_layout(tiny_target, tmp_path):
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (cfg["draft_vocab_size"], cfg["target_hidden_size"], cfg["num_hidden_layers"]) == (80, 64, 1)
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    # Our ids [2, 3, 3] at the top for vLLM; SGLang's convention (ours - 1) under eagle_config.
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
     assert cfg["vocab_size"] == 512 and cfg["norm_before_residual"] is False
 
 

@@ -15,9 +15,11 @@ import torch
 from eagle_core.checkpoint import (
     EXPORT_KEY,
     OUR_KEY,
+    eagle3_config_from,
     export_speculators,
     from_engine_ids,
     load_draft,
+    refresh_export_config,
     resolve_verifier,
     save_draft,
     to_engine_ids,
@@ -62,16 +64,19 @@ def specforge_captured(config: dict, num_layers: int) -> list[int]:
     """SpecForge (the trainer whose drafts SGLang serves). Its training and evaluation scripts read
     `draft_config.eagle_config["eagle_aux_hidden_state_layer_ids"]` and call the target's
     `set_aux_hidden_states_layers(ids)`, default `[1, N//2 - 1, N - 4]`; an id names the decoder layer whose
-    output is taken, i.e. output_hidden_states[id + 1] (SGLang's convention)."""
+    output is taken, i.e. output_hidden_states[id + 1] (SGLang's convention). `resolve_eagle_capture_layers`
+    (specforge/algorithms/model_providers.py) refuses ids that are not non-negative integers."""
     ids = _nested(config)
     if ids is None:
         ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if any(int(i) < 0 for i in ids):
+        raise ValueError(f"resolved EAGLE capture layers must contain exactly three non-negative integers, got {ids}")
     return [int(i) + 1 for i in ids]
 
 
-READERS = {"vllm": [vllm_captured], "sglang": [sglang_captured, specforge_captured]}
+READERS = [vllm_captured, sglang_captured, specforge_captured]
 
-CUSTOM_IDS = [[1, 3, 5], [0, 2, 4], [3, 4, 5]]  # 0 = the embeddings: SGLang's id is then -1, +1 back to 0
+CUSTOM_IDS = [[1, 3, 5], [3, 4, 5], [1, 2, 3]]
 ALL_IDS = [default_aux_layer_ids(N_LAYERS)] + CUSTOM_IDS
 
 
@@ -128,17 +133,40 @@ def test_capture_before_layer_i_is_hidden_states_i(target):
 
 
 @pytest.mark.parametrize("aux_ids", ALL_IDS, ids=str)
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_each_engine_captures_the_trained_layers(target, tmp_path, engine, aux_ids):
-    draft = _draft(target, aux_ids)
-    with pytest.warns(UserWarning) if engine == "vllm" and aux_ids in CUSTOM_IDS else _no_warning():
-        save_draft(draft, tmp_path / engine, engine=engine)
-    cfg = _config(tmp_path / engine)
-    for reader in READERS[engine]:
+def test_one_folder_makes_every_engine_capture_the_trained_layers(target, tmp_path, aux_ids):
+    with _no_warning():
+        save_draft(_draft(target, aux_ids), tmp_path / "d")
+    cfg = _config(tmp_path / "d")
+    for reader in READERS:
         assert reader(cfg, N_LAYERS) == aux_ids, reader.__name__
-    # vLLM reads the top-level key first, so an SGLang export serves correctly in vLLM too.
-    assert vllm_captured(cfg, N_LAYERS) == aux_ids
-    assert cfg[EXPORT_KEY]["engine"] == engine and cfg[EXPORT_KEY]["aux_layer_ids"] == aux_ids
+    assert cfg[EXPORT_KEY]["aux_layer_ids"] == aux_ids
+    # The defaults too: a folder with the nested key never falls back to an engine's own default ids.
+    assert _nested(cfg) == [i - 1 for i in aux_ids]
+
+
+@pytest.mark.parametrize("engine", [None, "vllm", "sglang", "specforge"])
+def test_naming_an_engine_writes_the_same_folder(target, tmp_path, engine):
+    draft = _draft(target, [1, 3, 5])
+    save_draft(draft, tmp_path / "all")
+    save_draft(draft, tmp_path / str(engine), engine=engine)
+    assert _config(tmp_path / str(engine)) == _config(tmp_path / "all")
+
+
+def test_the_embeddings_id_is_flagged_for_the_engines_that_cannot_capture_it(target, tmp_path):
+    """Id 0 is -1 in SGLang's convention: SGLang adds 1 back, SpecForge refuses a negative id."""
+    draft = _draft(target, [0, 2, 4])
+    with pytest.warns(UserWarning, match="include 0"):
+        save_draft(draft, tmp_path / "d")
+    cfg = _config(tmp_path / "d")
+    assert sglang_captured(cfg, N_LAYERS) == vllm_captured(cfg, N_LAYERS) == [0, 2, 4]
+    with pytest.raises(ValueError, match="non-negative"):
+        specforge_captured(cfg, N_LAYERS)
+    for engine in ("specforge", "vllm"):
+        with pytest.raises(ValueError, match="include 0"):
+            save_draft(draft, tmp_path / engine, engine=engine)
+    with _no_warning():
+        save_draft(draft, tmp_path / "sglang", engine="sglang")
+    assert load_draft(tmp_path / "d", target=target).config.aux_layer_ids == [0, 2, 4]
 
 
 @pytest.mark.parametrize("aux_ids", ALL_IDS, ids=str)
@@ -147,12 +175,43 @@ def test_speculators_export_makes_vllm_capture_the_trained_layers(target, tmp_pa
     assert vllm_captured(_config(tmp_path / "s"), N_LAYERS) == aux_ids
 
 
-def test_the_mismatch_the_rule_prevents(target, tmp_path):
-    """Without the rule (custom ids written in vLLM's convention), SGLang captures one layer deeper, and
-    SpecForge's default names different numbers for the same layers: the readers are not interchangeable."""
-    with pytest.warns(UserWarning, match="engine='sglang'"):
-        save_draft(_draft(target, [1, 3, 5]), tmp_path / "v", engine="vllm")
-    assert sglang_captured(_config(tmp_path / "v"), N_LAYERS) == [2, 4, 6]
+def _legacy_vllm_export(target, folder, aux_ids):
+    """A folder as the earlier default (engine="vllm") wrote it: our ids in the nested key too."""
+    draft = _draft(target, aux_ids)
+    save_draft(draft, folder)
+    cfg = _config(folder)
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    cfg[EXPORT_KEY] = {"engine": "vllm", "aux_layer_ids": list(aux_ids), "rule": "..."}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return draft
+
+
+@pytest.mark.parametrize("aux_ids", [default_aux_layer_ids(N_LAYERS), [1, 3, 5]], ids=str)
+def test_the_mismatch_the_rule_prevents_and_its_repair(target, tmp_path, aux_ids):
+    """Our ids in the nested key make SGLang and SpecForge capture one layer deeper -- the default ids too, as
+    the key is present; `refresh_export_config` rewrites such a folder without touching its weights."""
+    folder = tmp_path / "d"
+    draft = _legacy_vllm_export(target, folder, aux_ids)
+    deeper = [i + 1 for i in aux_ids]
+    assert sglang_captured(_config(folder), N_LAYERS) == specforge_captured(_config(folder), N_LAYERS) == deeper
+    assert load_draft(folder, target=target).config.aux_layer_ids == aux_ids  # our loader reads our block
+    weights = (folder / "model.safetensors").read_bytes()
+    refresh_export_config(folder)
+    assert (folder / "model.safetensors").read_bytes() == weights
+    for reader in READERS:
+        assert reader(_config(folder), N_LAYERS) == aux_ids, reader.__name__
+    assert _config(folder) == eagle3_config_from(draft.config, "float32")
+
+
+def test_refresh_refuses_what_it_cannot_rederive(target, tmp_path):
+    save_draft(_draft(target, [1, 3, 5]), tmp_path / "d")
+    _foreign(tmp_path / "d")
+    with pytest.raises(ValueError, match="not written by this project"):
+        refresh_export_config(tmp_path / "d")
+
+
+def test_engine_defaults_name_the_same_layers():
+    """Only the absence of the nested key lets each engine fall back to its default; they agree."""
     assert specforge_captured({}, N_LAYERS) == sglang_captured({}, N_LAYERS) == vllm_captured({}, N_LAYERS)
 
 
@@ -167,23 +226,19 @@ def test_engine_id_conversions_are_inverse():
         to_engine_ids([1, 2, 3], "tensorrt")
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_our_exports_read_back_without_being_told_the_convention(target, tmp_path, engine):
-    draft = _draft(target, [1, 3, 5])
-    with pytest.warns(UserWarning) if engine == "vllm" else _no_warning():
-        save_draft(draft, tmp_path / "d", engine=engine)
+def test_our_exports_read_back_without_being_told_the_convention(target, tmp_path):
+    save_draft(_draft(target, [1, 3, 5]), tmp_path / "d")
     assert load_draft(tmp_path / "d", target=target).config.aux_layer_ids == [1, 3, 5]
     cfg = _config(tmp_path / "d")
-    cfg.pop(OUR_KEY)  # the marker alone still says what the nested key means
+    cfg.pop(OUR_KEY)  # the marker alone still says what the keys mean
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
-    loaded = load_draft(tmp_path / "d", target=target)
-    assert loaded.config.aux_layer_ids == [1, 3, 5]
+    assert load_draft(tmp_path / "d", target=target).config.aux_layer_ids == [1, 3, 5]
 
 
 def test_specforge_checkpoint_is_read_in_its_convention(target, tmp_path):
     """A SpecForge/SGLang draft trained on layers [1, 3, 5] (ours) stores [0, 2, 4] under eagle_config."""
     draft = _draft(target, [1, 3, 5])
-    save_draft(draft, tmp_path / "d", engine="sglang")
+    save_draft(draft, tmp_path / "d")
     _foreign(tmp_path / "d")
     assert _nested(_config(tmp_path / "d")) == [0, 2, 4]
     with pytest.raises(ValueError, match="convention='sglang'"):
@@ -196,7 +251,7 @@ def test_specforge_checkpoint_is_read_in_its_convention(target, tmp_path):
 
 
 def test_foreign_checkpoint_with_the_top_level_key_is_vllm_convention(target, tmp_path):
-    save_draft(_draft(target, [1, 3, 5]), tmp_path / "d", engine="sglang")
+    save_draft(_draft(target, [1, 3, 5]), tmp_path / "d")
     _foreign(tmp_path / "d", eagle_aux_hidden_state_layer_ids=[1, 3, 5])
     assert load_draft(tmp_path / "d", target=target).config.aux_layer_ids == [1, 3, 5]
 
@@ -213,6 +268,19 @@ def test_a_contradictory_marker_is_refused(target, tmp_path):
 def test_unknown_engine_is_refused(target, tmp_path):
     with pytest.raises(ValueError, match="unknown engine"):
         save_draft(_draft(target, None), tmp_path / "d", engine="trtllm")
+
+
+def test_speculators_export_refuses_a_draft_narrower_than_its_target(target, tmp_path):
+    """speculators' Eagle3DraftModel sizes fc from the draft's own width; a narrower draft would not load."""
+    torch.manual_seed(0)
+    d2t, t2d = build_vocab_mapping(torch.randint(0, 50, (target.config.vocab_size,)), 80)
+    narrow = Eagle3Draft.from_target(target, draft_vocab_size=80, d2t=d2t, t2d=t2d, hidden_size=32,
+                                     intermediate_size=64)
+    with pytest.raises(ValueError, match="hidden_size 32 differs from its target's 64"):
+        export_speculators(narrow, tmp_path / "s", verifier="org/tiny-target")
+    assert not (tmp_path / "s").exists()
+    save_draft(narrow, tmp_path / "d")  # the EAGLE-3 folder takes it (engines size fc from target_hidden_size)
+    assert _config(tmp_path / "d")["target_hidden_size"] == 64 and _config(tmp_path / "d")["hidden_size"] == 32
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,6 +22,16 @@ def test_shipped_draft_is_small_bf16_and_documented():
         assert needed in card
 
 
+def test_every_engine_reads_the_shipped_draft_as_trained():
+    """SGLang and SpecForge read eagle_config's ids and add 1; vLLM reads the top-level key as is. From the
+    shipped folder each captures output_hidden_states [2, 15, 27] of the 30-layer target, the trained layers."""
+    data, config = read_config(shipped_draft("smollm2-135m"))
+    trained = config.aux_layer_ids
+    assert config.target_num_hidden_layers == 30 and trained == [2, 15, 27]
+    assert [i + 1 for i in data["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == trained  # SGLang/SpecForge
+    assert data["eagle_aux_hidden_state_layer_ids"] == trained  # vLLM
+
+
 def test_unknown_target_has_no_shipped_draft():
     with pytest.raises(FileNotFoundError, match="no draft ships"):
         shipped_draft("meta-llama/Llama-3.1-8B-Instruct")
