@@ -21,6 +21,8 @@ QWEN_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 END_OF_TURN = {"smollm2": "<|im_end|>", "llama3": "<|eot_id|>", "qwen": "<|im_end|>"}
+# What a template writes after its generation prompt and before the reply: the assistant turn generates it.
+TURN_PREFIX = {"smollm2": "", "llama3": "", "qwen": "<think>\n\n</think>\n\n"}
 
 
 @pytest.fixture(scope="module", params=["smollm2", "llama3", "qwen"])
@@ -73,7 +75,8 @@ def test_masked_spans_decode_to_assistant_turns(templated, messages):
     for run, content in zip(runs, assistants):
         text = tok.decode(run)
         assert text.endswith(END_OF_TURN[name]), text
-        assert text[: -len(END_OF_TURN[name])].strip() == content.strip()
+        assert text.startswith(TURN_PREFIX[name]), text
+        assert text[len(TURN_PREFIX[name]): -len(END_OF_TURN[name])].strip() == content.strip()
 
 
 def test_nothing_outside_assistant_turns_is_masked(templated):
