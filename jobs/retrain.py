@@ -5,7 +5,9 @@
 
 Each scale is a corpus prefix (a row count, or a fraction <= 1 of the corpus); shards extracted for a
 smaller scale are reused, a scale trained before is not trained again. The new draft version becomes the
-registry's `champion` only if its greedy tau beats the champion's by --margin; otherwise `candidate`.
+registry's `champion` only if its greedy tau beats the champion's by --margin; otherwise `candidate`. The
+decision is a compare-and-set under a lock held in the registry: a champion that moved since the evaluation is
+evaluated again first. `--rollback` restores the champion that the current one replaced.
 """
 
 from __future__ import annotations
@@ -63,12 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=None, metavar="PATH",
                    help="also write the per-scale results (rows, tau, speed-up, version, promoted) to this JSON file")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    p.add_argument("--rollback", action="store_true",
+                   help="only point --registered-model's champion back at the version the current champion "
+                        "replaced (recorded at promotion), under the promotion lock; no training")
     return p
 
 
 def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
     address, results = args.pop("address"), args.pop("results")
+    if args.pop("rollback"):
+        from pipelines.registry import rollback
+
+        old, new = rollback(args["registered_model"])
+        print(f"[retrain] {args['registered_model']}@champion rolled back from version {old} to version {new}")
+        return 0
     from pipelines.cluster import connect
 
     connect(address)

@@ -18,9 +18,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
+from pipelines.registry import (CANDIDATE, CHAMPION, PromotionLease, alias_version,  # noqa: F401 (re-exported)
+                                decide_promotion, rollback)
 from pipelines.storage import exists, join, read_bytes, resolve_source
-
-CHAMPION, CANDIDATE = "champion", "candidate"
 
 
 @dataclass
@@ -47,6 +47,10 @@ class RetrainConfig:
     # head has no GPU and little memory). None GPUs: 1 when the cluster has GPUs, else 0.
     eval_cpus: float = 1.0
     eval_gpus: float | None = None
+    # The promotion lock (pipelines.registry.PromotionLease): its lease, renewed while held, and how long to wait
+    # for another driver's decision before giving up.
+    lock_ttl_s: float = 600.0
+    lock_wait_s: float = 3600.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,15 +143,6 @@ def _client():
     return tracking.configure().tracking.MlflowClient()
 
 
-def alias_version(name: str, alias: str):
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return _client().get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None
-
-
 def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experiment: str = "eagle3-retrain",
                           run_name: str = "register-draft") -> int:
     """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
@@ -162,13 +157,6 @@ def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experim
     return tracking.register_artifact(run_id, "draft", name, alias)
 
 
-def promote(name: str, version, new_tau: float, champion_tau: float | None, margin: float) -> bool:
-    """Alias the new version `champion` when it beats the champion by `margin`; else `candidate`."""
-    client = _client()
-    client.set_model_version_tag(name, str(version), "tau", f"{new_tau:.4f}")
-    promoted = champion_tau is None or new_tau > champion_tau + margin
-    client.set_registered_model_alias(name, CHAMPION if promoted else CANDIDATE, str(version))
-    return promoted
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,8 +249,21 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], prompts) -
         sources["champion"] = champion_uri
     evals = evaluate_on_worker(config, sources, prompts)
     new, champion_eval = evals["new"], evals.get("champion")
-    promoted = promote(config.registered_model, version, new["tau"],
-                       champion_eval["tau"] if champion_eval else None, config.margin)
+    observed = None if champion is None else str(champion.version)
+
+    def evaluate_champion(moved_to: str) -> float:  # the champion moved since: compare with the new one
+        nonlocal champion_eval
+        champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"},
+                                           prompts)["champion"]
+        return champion_eval["tau"]
+
+    lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
+    decision = decide_promotion(config.registered_model, version, new["tau"], observed,
+                                champion_eval["tau"] if champion_eval else None, config.margin, evaluate_champion,
+                                lease)
+    promoted = decision.promoted
+    if decision.champion_version in (None, str(version)):
+        champion_eval = None
     return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
             "tokens_per_s": new["tokens_per_s"], "plain_tokens_per_s": new["plain_tokens_per_s"],
             "speedup": new["speedup"], "tree_speedup": new["tree_speedup"], "tuned_tree": new["tuned_tree"],
@@ -270,7 +271,8 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], prompts) -
             "champion_speedup": champion_eval["speedup"] if champion_eval else None,
             "champion_tree_speedup": champion_eval["tree_speedup"] if champion_eval else None,
             "champion_tuned_tree": champion_eval["tuned_tree"] if champion_eval else None,
-            "champion_version": int(champion.version) if champion is not None else None,
+            "champion_version": int(decision.champion_version) if decision.champion_version else None,
+            "champion_moved": decision.moved,
             "reused_shards": len(manifest.reused_shards), "shards": len(manifest.shards),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}
 
@@ -285,6 +287,9 @@ def run_retrain(config: RetrainConfig) -> dict:
 
     from pipelines import tracking
 
+    # Before any work: a registry that does not answer raises here (RegistryUnavailable names the server),
+    # rather than after hours of extraction and training.
+    alias_version(config.registered_model, CHAMPION)
     corpus_rows = config.corpus_rows or (count_corpus_rows(config.corpus) if any(s <= 1 for s in config.scales) else 0)
     scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
     prompts = load_eval_prompts(config.eval_prompts, config.eval_count)
