@@ -1,10 +1,17 @@
 """Corpus ingest: ShareGPT / OpenAI-messages conversations from JSON, JSONL or Parquet at any fsspec URL.
 
 Every input row ends in exactly one of three places, and is counted there:
-  kept         normalised `{id, messages}` rows (roles: system / user / assistant)
-  quarantined  malformed rows with a `reason` (bad JSON or UTF-8, wrong types, unknown role, empty, ...)
+  kept         normalised `{id, messages}` rows (plus `tools`, the record's tool schemas as JSON text, when it
+               has any), in OpenAI's chat format: roles system / user / assistant / tool; an assistant turn
+               may carry `tool_calls` ([{id, type, function: {name, arguments as JSON text}}]) and
+               `reasoning_content`; a tool turn `tool_call_id` and `name`
+  quarantined  malformed rows with a `reason` (bad JSON or UTF-8, wrong types, unknown role, empty, a tool call
+               without a name, a tool result that answers no call, ...)
   deduped      exact duplicates of an earlier kept conversation
-so `kept + quarantined + deduped == read`.
+so `kept + quarantined + deduped == read`. ShareGPT rows map onto the same format (`human`/`gpt`, and the
+tool-use variants `function_call` -> an assistant tool call, `observation` -> a tool result). What the chat
+template makes of these turns, and which tokens are trained on, is `eagle_core.chat`'s rule
+(docs/data-and-exports.md).
 
 Files are the unit of parallelism: each file is parsed by one Ray task (`flat_map`), streaming, so a
 truncated JSON array (the default ShareGPT file ends mid-record) still yields all of its whole records.
@@ -29,7 +36,11 @@ ROLE_ALIASES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant",
-    "system": "system",
+    "system": "system", "developer": "system",
+    # Tool results: OpenAI's `tool` (and its older `function`), Llama 3.1's `ipython`, ShareGPT's `observation`.
+    "tool": "tool", "function": "tool", "ipython": "tool", "observation": "tool",
+    # ShareGPT's tool-use variant writes the assistant's call as its own turn, its value the call's JSON.
+    "function_call": "assistant",
 }
 RAW_PREVIEW_CHARS = 2000
 _MISSING_SHAREGPT = (
@@ -81,7 +92,9 @@ def resolve_corpus_url(url: str | None) -> str:
 # Normalisation of one record
 # --------------------------------------------------------------------------------------------------
 
-def _text_content(content) -> str:
+def _text_content(content, allow_missing: bool = False) -> str:
+    if content is None and allow_missing:
+        return ""
     if isinstance(content, str):
         return content
     # OpenAI's multi-part content: a list of {"type": "text", "text": ...} parts.
@@ -92,8 +105,86 @@ def _text_content(content) -> str:
     raise QuarantineError("non_string_content")
 
 
+def _has_bad_utf8(text: str) -> bool:
+    return any("\udc80" <= ch <= "\udcff" for ch in text)  # surrogate-escaped bytes from an invalid UTF-8 file
+
+
+def _tool_call(call) -> dict:
+    """One tool call in OpenAI's form, arguments as JSON text (what OpenAI sends; Arrow-safe for any schema)."""
+    if not isinstance(call, dict):
+        raise QuarantineError("bad_tool_call")
+    function = call.get("function", call)  # {"name", "arguments"} alone: ShareGPT and legacy function_call
+    if not isinstance(function, dict):
+        raise QuarantineError("bad_tool_call")
+    name = function.get("name")
+    arguments = function.get("arguments", function.get("parameters", {}))
+    if not isinstance(name, str) or not name.strip():
+        raise QuarantineError("bad_tool_call")
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    elif not isinstance(arguments, str):
+        raise QuarantineError("bad_tool_call")
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if isinstance(call.get("id"), str) and call["id"]:
+        out = {"id": call["id"], **out}
+    return out
+
+
+def _tool_calls(turn: dict, role: str, content: str) -> tuple[list[dict], str]:
+    """(tool calls of an assistant turn, its remaining content)."""
+    if role == "function_call":  # ShareGPT: the turn's value is the call (or a list of calls) as JSON
+        try:
+            parsed = json.loads(content)
+        except ValueError:
+            raise QuarantineError("bad_tool_call") from None
+        return [_tool_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])], ""
+    calls = turn.get("tool_calls")
+    if calls is None and turn.get("function_call") is not None:  # OpenAI's legacy single call
+        calls = [turn["function_call"]]
+    if calls is None:
+        return [], content
+    if not isinstance(calls, list):
+        raise QuarantineError("bad_tool_call")
+    return [_tool_call(c) for c in calls], content
+
+
+def _message(turn: dict, role_key: str, content_key: str) -> dict:
+    raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
+    if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_ALIASES:
+        raise QuarantineError("unknown_role")
+    source_role = raw_role.strip().lower()
+    role = ROLE_ALIASES[source_role]
+    raw_content = turn.get(content_key, turn.get("content", turn.get("value")))
+    # An assistant turn that only calls tools has no content (OpenAI sends null); a tool may return nothing.
+    content = _text_content(raw_content, allow_missing=role in ("assistant", "tool"))
+    message = {"role": role, "content": content}
+    if role == "assistant":
+        calls, content = _tool_calls(turn, source_role, content)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise QuarantineError("non_string_reasoning")
+            if reasoning.strip():
+                message["reasoning_content"] = reasoning
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(turn.get(key), str) and turn[key]:
+                message[key] = turn[key]
+    texts = [message["content"], message.get("reasoning_content", "")]
+    texts += [c["function"]["arguments"] for c in message.get("tool_calls", [])]
+    if any(_has_bad_utf8(t) for t in texts):
+        raise QuarantineError("bad_utf8")
+    said = message["content"].strip() or message.get("tool_calls") or message.get("reasoning_content")
+    if role != "tool" and not said:
+        raise QuarantineError("empty_turn")
+    return message
+
+
 def normalize_record(record) -> tuple[list[dict], int]:
-    """Return (messages, leading assistant turns dropped) or raise QuarantineError(reason)."""
+    """Return (messages, leading assistant/tool turns dropped) or raise QuarantineError(reason)."""
     if not isinstance(record, dict):
         raise QuarantineError("not_an_object")
     if "conversations" in record:
@@ -110,31 +201,45 @@ def normalize_record(record) -> tuple[list[dict], int]:
     for turn in turns:
         if not isinstance(turn, dict):
             raise QuarantineError("turn_not_an_object")
-        role = turn.get(role_key, turn.get("role", turn.get("from")))
-        if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
-            raise QuarantineError("unknown_role")
-        content = _text_content(turn.get(content_key, turn.get("content", turn.get("value"))))
-        if any("\udc80" <= ch <= "\udcff" for ch in content):
-            raise QuarantineError("bad_utf8")  # surrogate-escaped bytes from an invalid UTF-8 file
-        if not content.strip():
-            raise QuarantineError("empty_turn")
-        messages.append({"role": ROLE_ALIASES[role.strip().lower()], "content": content})
-    # ShareGPT splits long chats, so a row may begin mid-dialogue with the assistant: drop those turns.
+        messages.append(_message(turn, role_key, content_key))
+    # ShareGPT splits long chats, so a row may begin mid-dialogue with the assistant (or a tool's result for a
+    # call made before the cut): drop those turns.
     system = [m for m in messages[:1] if m["role"] == "system"]
     rest = messages[len(system):]
     trimmed = 0
-    while rest and rest[0]["role"] == "assistant":
+    while rest and rest[0]["role"] in ("assistant", "tool"):
         rest.pop(0)
         trimmed += 1
     if not any(m["role"] == "assistant" for m in rest):
         raise QuarantineError("no_assistant_turn")
     if any(m["role"] == "system" for m in rest):
         raise QuarantineError("system_turn_not_first")
+    for before, message in zip(rest, rest[1:]):
+        # A tool result answers a call: it follows an assistant turn that made calls, or another result.
+        if message["role"] == "tool" and not (before["role"] == "tool" or before.get("tool_calls")):
+            raise QuarantineError("tool_result_without_call")
     return system + rest, trimmed
 
 
-def conversation_hash(messages: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+def record_tools(record) -> str:
+    """The record's tool schemas (OpenAI `tools`) as JSON text, "" when it has none; bad ones quarantine it."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools in (None, "", []):
+        return ""
+    if isinstance(tools, str):  # some exports keep the schemas as JSON text
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise QuarantineError("bad_tools") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise QuarantineError("bad_tools")
+    return json.dumps(tools, ensure_ascii=False) if tools else ""
+
+
+def conversation_hash(messages: list[dict], tools: str = "") -> str:
+    """Identity of a kept conversation for deduplication; tool schemas count when the record has them."""
+    payload = messages if not tools else {"messages": messages, "tools": tools}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,16 +344,17 @@ def parse_file(task: dict, limit: int | None = None) -> list[dict]:
         if error is None:
             try:
                 messages, trimmed = normalize_record(record)
+                tools = record_tools(record)
             except QuarantineError as bad:
                 error = str(bad)
         if error is not None:
             rows.append({**base, "status": "quarantined", "reason": error, "raw": preview,
-                         "messages_json": "", "content_hash": ""})
+                         "messages_json": "", "tools_json": "", "content_hash": ""})
         else:
             # JSON text until the end: a block of only quarantined rows would give Arrow a list<null> column.
             text = json.dumps(messages, ensure_ascii=False)
-            rows.append({**base, "status": "kept", "reason": "", "raw": "", "messages_json": text,
-                         "content_hash": conversation_hash(messages), "trimmed_turns": trimmed})
+            rows.append({**base, "status": "kept", "reason": "", "raw": "", "messages_json": text, "tools_json": tools,
+                         "content_hash": conversation_hash(messages, tools), "trimmed_turns": trimmed})
     return rows
 
 
@@ -316,7 +422,10 @@ def _unique_ids(group):
 
 
 def _to_output_row(row):
-    return {"id": row["id"], "messages": json.loads(row["messages_json"])}
+    out = {"id": row["id"], "messages": json.loads(row["messages_json"])}
+    if row.get("tools_json"):  # schemas stay JSON text: Arrow would merge different schemas' fields with nulls
+        out["tools"] = row["tools_json"]
+    return out
 
 
 def ingest(url: str | None = None, limit: int | None = None) -> Ingested:

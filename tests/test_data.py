@@ -166,3 +166,134 @@ def test_spread_mtbench_prompts_cover_every_category():
         assert len(picked) == n and len(set(picked)) == n
         assert {questions[i]["category"] for i in picked} == categories
     assert spread_indices(100, 80) == list(range(80))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tool calls, tool results and reasoning, as OpenAI-format corpora carry them
+
+def _call(name, arguments, call_id=None):
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {**call, "id": call_id} if call_id else call
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def tool_corpus():
+    """(rows, {id: expected quarantine reason}) of an OpenAI-format corpus; every other row is well formed."""
+    good = [
+        {"id": "tool-call", "tools": WEATHER_TOOLS, "messages": [
+            {"role": "system", "content": "Answer with the tools."},
+            {"role": "user", "content": "Rain in Paris?"},
+            {"role": "assistant", "content": None, "reasoning_content": "Look it up.",
+             "tool_calls": [_call("get_weather", "{\"city\": \"Paris\"}", "call_1")]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"rain\": true}"},
+            {"role": "assistant", "content": "Yes, it rains in Paris.", "reasoning_content": "rain is true"}]},
+        {"id": "parallel", "messages": [
+            {"role": "user", "content": "Paris and Rome?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                _call("get_weather", {"city": "Paris"}), _call("get_weather", {"city": "Rome"})]},
+            {"role": "tool", "content": "rain"}, {"role": "tool", "content": ""},
+            {"role": "assistant", "content": "Rain in Paris; Rome did not answer."}]},
+        {"id": "think-inline", "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4."}]},
+        {"id": "reasoning-multi", "messages": [
+            {"role": "user", "content": "Pick a colour."},
+            {"role": "assistant", "content": "Blue.", "reasoning": "Any will do."},
+            {"role": "user", "content": "Another?"},
+            {"role": "assistant", "content": "Green.", "reasoning_content": "Not blue again."}]},
+        {"id": "sharegpt-tools", "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {"from": "function_call", "value": "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}"},
+            {"from": "observation", "value": "heavy snowfall"},
+            {"from": "gpt", "value": "It snows in Oslo."}]},
+        {"id": "legacy-function", "messages": [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "now", "arguments": "{}"}},
+            {"role": "function", "name": "now", "content": "12:00"},
+            {"role": "assistant", "content": "It is noon."}]},
+    ]
+    bad = {
+        "call-without-name": {"messages": [{"role": "user", "content": "q"},
+                                           {"role": "assistant", "content": None, "tool_calls": [_call("", "{}")]}]},
+        "result-without-call": {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r"},
+                                             {"role": "assistant", "content": "a"}]},
+        "arguments-not-text": {"messages": [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "tool_calls": [_call("f", 42)]}]},
+        "reasoning-not-text": {"messages": [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": "a", "reasoning_content": ["x"]}]},
+        "empty-assistant": {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+        "bad-sharegpt-call": {"conversations": [{"from": "human", "value": "q"},
+                                                {"from": "function_call", "value": "not json"}]},
+        "bad-tools": {"tools": "not json", "messages": [{"role": "user", "content": "q"},
+                                                        {"role": "assistant", "content": "a"}]},
+    }
+    reasons = {"call-without-name": "bad_tool_call", "result-without-call": "tool_result_without_call",
+               "arguments-not-text": "bad_tool_call", "reasoning-not-text": "non_string_reasoning",
+               "empty-assistant": "empty_turn", "bad-sharegpt-call": "bad_tool_call", "bad-tools": "bad_tools"}
+    return good + [{"id": k, **v} for k, v in bad.items()], reasons
+
+
+def test_tool_and_reasoning_turns_normalise_to_openai_format():
+    rows, reasons = tool_corpus()
+    by_id = {r["id"]: r for r in rows}
+    messages, _ = normalize_record(by_id["tool-call"])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[2] == {"role": "assistant", "content": "", "reasoning_content": "Look it up.",
+                           "tool_calls": [_call("get_weather", "{\"city\": \"Paris\"}", "call_1")]}
+    assert messages[3] == {"role": "tool", "content": "{\"rain\": true}", "tool_call_id": "call_1"}
+    parallel, _ = normalize_record(by_id["parallel"])
+    assert parallel[1]["tool_calls"][1]["function"]["arguments"] == "{\"city\": \"Rome\"}"  # dicts become JSON text
+    sharegpt_calls, _ = normalize_record(by_id["sharegpt-tools"])
+    assert sharegpt_calls[1] == {"role": "assistant", "content": "",
+                                 "tool_calls": [_call("get_weather", "{\"city\": \"Oslo\"}")]}
+    assert sharegpt_calls[2] == {"role": "tool", "content": "heavy snowfall"}
+    assert normalize_record(by_id["reasoning-multi"])[0][1]["reasoning_content"] == "Any will do."
+    for row_id, reason in reasons.items():
+        with pytest.raises(QuarantineError, match=reason):
+            normalize_record(by_id[row_id])
+            from pipelines.data import record_tools
+            record_tools(by_id[row_id])
+
+
+def test_openai_tool_corpus_keeps_every_well_formed_row_and_masks_by_the_rule(ray_cluster, tmp_path, smollm2_tokenizer):
+    """Ingest keeps every well-formed row (tool calls, tool results, reasoning); the loss mask of each under a
+    tools-capable template trains on what assistants generate and nothing else."""
+    import copy
+
+    from eagle_core.chat import render_chat, tokenize_conversation
+    from tests.chat_templates import QWEN3_STYLE
+
+    rows, reasons = tool_corpus()
+    (tmp_path / "tools.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = ingest(str(tmp_path / "tools.jsonl"))
+    kept = out.dataset.take_all()
+    assert [r["id"] for r in kept] == [r["id"] for r in rows if r["id"] not in reasons]
+    assert out.stats.quarantined == len(reasons) and out.stats.deduped == 0
+    assert {q["id"]: q["reason"] for q in out.quarantine.take_all()} == reasons
+    assert json.loads(kept[0]["tools"]) == WEATHER_TOOLS
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN3_STYLE
+    for row in kept:
+        messages = row["messages"]  # as Ray hands them back (absent fields filled with None)
+        out = tokenize_conversation(tok, messages, tools=row.get("tools"))
+        masked = tok.decode([t for t, m in zip(out.input_ids, out.loss_mask) if m])
+        unmasked = tok.decode([t for t, m in zip(out.input_ids, out.loss_mask) if not m])
+        rendered = render_chat(tok, messages, tools=row.get("tools"))
+        for m in messages:
+            content = (m.get("content") or "").split("</think>")[-1].strip()
+            if m["role"] == "assistant":
+                for call in m.get("tool_calls") or []:
+                    assert call["function"]["name"] in masked, (row["id"], call)
+                    assert json.dumps(json.loads(call["function"]["arguments"])) in masked, (row["id"], call)
+                reasoning = m.get("reasoning_content")
+                if reasoning and reasoning in rendered:  # trained where the template renders it
+                    assert reasoning in masked, (row["id"], reasoning)
+                assert content in masked, (row["id"], content)
+            elif content:
+                assert content in unmasked and content not in masked, (row["id"], m)
+        assert masked.count("<|im_end|>") == sum(m["role"] == "assistant" for m in messages)
+        assert "<tool_response>" not in masked and "get_weather\", \"parameters\"" not in masked
