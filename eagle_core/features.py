@@ -7,11 +7,14 @@ Pure torch + transformers; the Ray stages in `pipelines/extract.py` call these o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from eagle_core.chat import TemplateError, prompt_ids, tokenize_conversation
+from eagle_core.chat import NoChatTemplateError, TemplateError, prompt_ids, tokenize_conversation
 from eagle_core.target import capture_features
+
+TRUNCATED = ("mark", "drop")  # what regeneration does with a reply cut at max_new_tokens (see regenerate_conversations)
 
 
 @dataclass
@@ -33,10 +36,15 @@ def _pad_left(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return ids.to(device), mask.to(device)
 
 
+class Reply(NamedTuple):
+    text: str
+    truncated: bool  # cut at max_new_tokens (OpenAI: finish_reason "length"): the turn never ended
+
+
 @torch.no_grad()
-def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                     seed: int) -> list[str]:
-    """Batched HF generation with left padding; returns the decoded replies (special tokens dropped)."""
+def generate_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                 seed: int) -> list[list[int]]:
+    """Batched HF generation with left padding; the generated ids of each prompt (padding after EOS removed)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, attention_mask = _pad_left(prompts, pad_id, device)
@@ -45,37 +53,74 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
         "do_sample": False}
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                          pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, **sampling)
-    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, input_ids.shape[1]:]]
+    rows = []
+    for row in out[:, input_ids.shape[1]:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id) + 1]
+        rows.append(row)
+    return rows
+
+
+def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     seed: int) -> list[Reply]:
+    """Replies of the target in this process (special tokens dropped from the text); a reply that did not end
+    with EOS within `max_new_tokens` is marked truncated."""
+    rows = generate_ids(model, tokenizer, prompts, max_new_tokens, temperature, seed)
+    return [Reply(tokenizer.decode(row, skip_special_tokens=True).strip(), tokenizer.eos_token_id not in row)
+            for row in rows]
+
+
+def _regenerated(message: dict) -> bool:
+    """Assistant turns that regeneration rewrites: those without tool calls. A turn that calls tools stays as the
+    corpus has it, since the tools cannot be run here and the tool results that follow answer exactly its calls."""
+    return message["role"] == "assistant" and not message.get("tool_calls")
 
 
 def regenerate_conversations(model, tokenizer, conversations: list[dict], max_new_tokens: int = 512,
                              temperature: float = 0.0, seed: int = 0, max_length: int = 2048,
-                             batch_size: int = 16, replies=None) -> tuple[list[dict], dict[str, str]]:
-    """Rewrite every assistant turn with the target, turn by turn, each conditioned on the rewritten history.
+                             batch_size: int = 16, replies=None,
+                             truncated: str = "mark") -> tuple[list[dict], dict[str, str]]:
+    """Rewrite the assistant turns with the target, turn by turn, each conditioned on the rewritten history.
 
-    `replies(prompts, seed) -> texts` answers a batch of tokenised prompts: by default `model` in this process
-    (`generate_replies`); any serving engine otherwise (`pipelines.regenerate.OpenAIReplies`).
+    `replies(prompts, seed) -> [Reply or str]` answers a batch of tokenised prompts: by default `model` in this
+    process (`generate_replies`); any serving engine otherwise (`pipelines.regenerate.OpenAIReplies`, whose
+    `check_target(model, tokenizer)` runs first: the server must serve this target).
 
-    Conversations advance together: all those with a k-th assistant turn are generated in batches.
+    Assistant turns that call tools are kept as they are (`_regenerated`); tool results, user and system turns
+    are copied. Conversations advance together: all those with a k-th turn to rewrite are generated in batches.
     A conversation stops at the first turn whose prompt no longer fits `max_length` (later turns would be
-    truncated away anyway) or whose reply is empty. Returns (rewritten conversations, {id: reason} of
-    those left with no assistant turn).
+    truncated away anyway), whose reply is empty, or whose reply was cut at `max_new_tokens`: with
+    `truncated="mark"` that reply is kept as the last turn, marked `"truncated": true` (trained on, without an
+    end-of-turn token); with `"drop"` the conversation ends before it. Returns (rewritten conversations,
+    {id: reason} of those left with no assistant turn). A tokenizer without a chat template stops the whole
+    call (`NoChatTemplateError`); a template that refuses one conversation quarantines that one.
     """
+    if truncated not in TRUNCATED:
+        raise ValueError(f"truncated must be one of {TRUNCATED}, got {truncated!r}")
     if replies is None:
         def replies(prompts, batch_seed):
             return generate_replies(model, tokenizer, prompts, max_new_tokens, temperature, batch_seed)
+    elif hasattr(replies, "check_target"):
+        replies.check_target(model, tokenizer)
     history = [[] for _ in conversations]  # rewritten messages so far
     pending = [list(c["messages"]) for c in conversations]  # original messages still to go
     alive = [True] * len(conversations)
+    refused: dict[int, str] = {}
     turn = 0
     while True:
-        # Copy user/system messages up to the next assistant turn, then collect the prompts of this turn.
+        # Copy the turns kept as they are up to the next turn to rewrite, then collect this turn's prompts.
         work = []
         for i, msgs in enumerate(pending):
-            while alive[i] and msgs and msgs[0]["role"] != "assistant":
+            while alive[i] and msgs and not _regenerated(msgs[0]):
                 history[i].append(msgs.pop(0))
             if alive[i] and msgs:
-                ids = prompt_ids(tokenizer, history[i])
+                try:
+                    ids = prompt_ids(tokenizer, history[i], tools=conversations[i].get("tools"))
+                except NoChatTemplateError:
+                    raise
+                except TemplateError as err:
+                    alive[i], refused[i] = False, err.reason
+                    continue
                 if len(ids) >= max_length:
                     alive[i] = False
                 else:
@@ -85,32 +130,44 @@ def regenerate_conversations(model, tokenizer, conversations: list[dict], max_ne
         for start in range(0, len(work), batch_size):
             chunk = work[start:start + batch_size]
             answers = replies([ids for _, ids in chunk], seed + 1000 * turn + start)
-            for (i, _), reply in zip(chunk, answers):
+            for (i, _), answer in zip(chunk, answers):
+                text, cut = (answer, False) if isinstance(answer, str) else (answer.text, answer.truncated)
                 pending[i].pop(0)
-                if reply:
-                    history[i].append({"role": "assistant", "content": reply})
-                else:
+                if not text or (cut and truncated == "drop"):
                     alive[i] = False
+                    continue
+                history[i].append({"role": "assistant", "content": text, **({"truncated": True} if cut else {})})
+                if cut:
+                    alive[i] = False  # later turns would answer a reply the target never finished
         turn += 1
     rewritten, quarantined = [], {}
-    for conv, msgs in zip(conversations, history):
+    for i, (conv, msgs) in enumerate(zip(conversations, history)):
         while msgs and msgs[-1]["role"] != "assistant":
             msgs.pop()  # a trailing question whose answer was not generated teaches nothing
-        if msgs:
-            rewritten.append({"id": conv["id"], "messages": msgs})
+        if i in refused:
+            quarantined[conv["id"]] = refused[i]
+        elif msgs:
+            row = {"id": conv["id"], "messages": msgs}
+            if conv.get("tools"):
+                row["tools"] = conv["tools"]
+            rewritten.append(row)
         else:
             quarantined[conv["id"]] = "empty_regeneration"
     return rewritten, quarantined
 
 
 def tokenize_for_training(tokenizer, conversations: list[dict], max_length: int):
-    """(tokenised rows, {id: reason}) — rows whose loss mask is empty after truncation are quarantined."""
+    """(tokenised rows, {id: reason}) — rows the chat template cannot render faithfully are quarantined with the
+    template error's reason, and rows whose loss mask is empty after truncation as "no_loss_tokens". A tokenizer
+    without a chat template stops the call (`NoChatTemplateError`): no row could be used."""
     rows, quarantined = [], {}
     for conv in conversations:
         try:
-            tok = tokenize_conversation(tokenizer, conv["messages"], max_length=max_length)
-        except TemplateError:
-            quarantined[conv["id"]] = "template_mismatch"
+            tok = tokenize_conversation(tokenizer, conv["messages"], max_length=max_length, tools=conv.get("tools"))
+        except NoChatTemplateError:
+            raise
+        except TemplateError as err:
+            quarantined[conv["id"]] = err.reason
             continue
         if not any(tok.loss_mask):
             quarantined[conv["id"]] = "no_loss_tokens"
