@@ -161,3 +161,28 @@ def test_parse_keeps_the_served_model_after_a_hash():
     assert parse_regenerate_with("openai:http://h:8000#org/model") == "http://h:8000/v1#org/model"
     assert parse_regenerate_with("openai:https://h/v1/") == "https://h/v1"
     assert parse_regenerate_with("hf") is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# extraction's use of the chat template: a row the template refuses is quarantined, no template stops
+
+
+def test_extraction_quarantines_rows_the_template_refuses_and_stops_without_a_template(target):
+    import copy
+
+    from eagle_core.chat import NoChatTemplateError
+    from eagle_core.features import tokenize_for_training
+
+    model, tok = target
+    call = {"type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    rows = [{"id": "plain", "messages": ANSWERED},
+            {"id": "calls", "messages": QUESTION + [{"role": "assistant", "content": "", "tool_calls": [call]}]}]
+    kept, quarantined = tokenize_for_training(tok, rows, 256)  # SmolLM2's template renders no tool calls
+    assert [r[0] for r in kept] == ["plain"] and quarantined == {"calls": "template_drops_tool_calls"}
+
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    for work in (lambda: tokenize_for_training(bare, rows, 256),
+                 lambda: regenerate_conversations(model, bare, rows, max_new_tokens=2)):
+        with pytest.raises(NoChatTemplateError, match="has no chat template"):
+            work()
