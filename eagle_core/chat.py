@@ -96,7 +96,9 @@ def template_messages(messages: list[Message]) -> list[Message]:
     under `thinking`, the key gpt-oss's template reads."""
     out = []
     for message in messages:
-        m = {k: v for k, v in message.items() if v is not None and k != "truncated" and not (k == "tool_calls" and not v)}
+        m = {k: v for k, v in message.items()
+             if v is not None and k != "truncated" and not (k == "tool_calls" and not v)}
+        m.setdefault("content", "")  # OpenAI's null content of a tool-calling turn: templates concatenate it
         if m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:

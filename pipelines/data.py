@@ -380,7 +380,7 @@ class IngestStats:
     kept: int = 0
     quarantined: int = 0
     deduped: int = 0
-    trimmed_rows: int = 0  # kept rows that began with assistant turns (those turns dropped)
+    trimmed_rows: int = 0  # kept rows that began with assistant or tool turns (those turns dropped)
     quarantined_by_reason: dict = field(default_factory=dict)
     files: int = 0
 
@@ -390,7 +390,7 @@ class IngestStats:
     def summary(self) -> str:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.quarantined_by_reason.items())) or "none"
         return (f"read {self.read} rows from {self.files} file(s): kept {self.kept}, quarantined {self.quarantined} "
-                f"({reasons}), deduped {self.deduped}; {self.trimmed_rows} kept rows had leading assistant turns trimmed")
+                f"({reasons}), deduped {self.deduped}; {self.trimmed_rows} kept rows had leading assistant/tool turns trimmed")
 
 
 @dataclass

@@ -101,9 +101,9 @@ def fake_server(model, tok, served_name, listed=None, finish_reason=None):
         if body["model"] != served_name:
             return httpx.Response(404, json={"error": {"message": "no such model"}})
         ids = generate_ids(model, tok, [body["prompt"]], body["max_tokens"], 0.0, 0)[0]
-        ended = tok.eos_token_id in ids
+        finish = finish_reason or ("stop" if tok.eos_token_id in ids else "length")
         return httpx.Response(200, json={"choices": [{"text": tok.decode(ids, skip_special_tokens=True),
-                                                      "finish_reason": finish_reason or ("stop" if ended else "length")}]})
+                                                      "finish_reason": finish}]})
 
     return httpx.MockTransport(handle), calls
 
