@@ -15,6 +15,7 @@ attention, so both paths run the very same weights and rotary code.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -68,7 +69,7 @@ class DraftConfig:
             raise ValueError("lm_head_init='target' needs hidden_size == target_hidden_size")
         if self.ttt_steps < 1:
             raise ValueError("ttt_steps must be >= 1")
-        rope_inv_freq(self)  # fail now on an unsupported rope_scaling, not at the first forward
+        rotary_embedding(self)  # fail now on an unsupported rope_scaling, not at the first forward
 
     @property
     def embeds_from_target(self) -> bool:
@@ -116,7 +117,9 @@ class DraftConfig:
             target_vocab_size=tc.vocab_size,
             draft_vocab_size=min(cls.draft_vocab_size if draft_vocab_size is None else draft_vocab_size, tc.vocab_size),
             aux_layer_ids=resolve_aux_layer_ids(aux_layer_ids, tc.num_hidden_layers),
-            hidden_act=getattr(tc, "hidden_act", "silu"),
+            # The draft layer is a Llama layer in every engine (`LlamaForCausalLMEagle3`): SiLU, whatever the
+            # target's activation (Gemma's GELU).
+            hidden_act="silu",
             target_num_hidden_layers=tc.num_hidden_layers,
         )
         if "hidden_size" in overrides and "head_dim" not in overrides:
@@ -128,6 +131,10 @@ class DraftConfig:
 def _rope_of(target_config) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a transformers 5 (`rope_parameters`) or 4.x (`rope_theta`) config."""
     params = getattr(target_config, "rope_parameters", None)
+    if params and isinstance(next(iter(params.values())), dict):
+        # one RoPE per layer kind (Gemma 3: local layers 10k, global 1M): the draft attends over the whole
+        # context like the global layers, so it takes theirs
+        params = params.get("full_attention") or next(iter(params.values()))
     if params:
         params = dict(params)
         theta = float(params.pop("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
@@ -190,25 +197,33 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
 
-def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float32, with the target's RoPE scaling (default, linear, llama3)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((old_ctx / wavelen) - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor,
-                               torch.where(wavelen < old_ctx / high, inv_freq, blended))
-    elif kind != "default":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
-    return inv_freq.float()
+def rotary_embedding(cfg: DraftConfig):
+    """transformers' own rotary embedding for the draft's head size and the target's RoPE (default, linear,
+    dynamic/NTK, yarn, longrope, llama3: whatever transformers implements, with its attention scaling and its
+    sequence-length-dependent updates), so the draft rotates exactly as a Llama layer with this config would in
+    transformers, vLLM and SGLang. An unknown `rope_type` fails here, when the config is built."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaling = dict(cfg.rope_scaling or {})
+    scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+    config = LlamaConfig(hidden_size=cfg.num_attention_heads * cfg.head_dim, head_dim=cfg.head_dim,
+                         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                         max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters={**scaling, "rope_theta": cfg.rope_theta})
+    try:
+        return LlamaRotaryEmbedding(config)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"unsupported rope_scaling {cfg.rope_scaling!r}: {e}") from e
+
+
+@torch.no_grad()
+def effective_norm_weight(norm: nn.Module, cfg: DraftConfig) -> torch.Tensor:
+    """The per-channel scale a target's final RMSNorm applies, as our RMSNorm's weight: read off its output on a
+    vector of ones (whose RMS is 1), so a Gemma norm that scales by (1 + weight) is carried over right too."""
+    probe = copy.deepcopy(norm).float()  # the target's own module stays in its dtype
+    ones = torch.ones(1, cfg.hidden_size, dtype=torch.float32, device=next(probe.parameters()).device)
+    return probe(ones)[0] * math.sqrt(1 + cfg.rms_norm_eps)
 
 
 def rotate_half(x):
@@ -252,9 +267,9 @@ class Eagle3Draft(nn.Module):
         t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        # Kept out of the buffers on purpose: `.to(bfloat16)` would round the frequencies (a 0.3 error in
+        # Kept out of the submodules on purpose: `.to(bfloat16)` would round its frequencies (a 0.3 error in
         # cos at position 3000); they stay float32 and follow the device lazily.
-        self._inv_freq = rope_inv_freq(cfg)
+        self.__dict__["_rotary"] = rotary_embedding(cfg)
         self._init_weights()
         if target_embed_weight is not None:
             self.set_target_embeddings(target_embed_weight)
@@ -328,7 +343,7 @@ class Eagle3Draft(nn.Module):
         if config.lm_head_init == "target":
             norm = getattr(getattr(target, "model", target), "norm", None)
             draft.init_lm_head_from_target(target.get_output_embeddings().weight,
-                                           None if norm is None else norm.weight)
+                                           None if norm is None else effective_norm_weight(norm, config))
         return draft
 
     # -- the layer, split so that TTT can bring its own attention --------------------------------
@@ -338,12 +353,12 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     def rope(self, position_ids, dtype):
-        # position_ids: [B, S] -> cos, sin: [B, 1, S, head_dim], computed in float32
-        if self._inv_freq.device != position_ids.device:
-            self._inv_freq = self._inv_freq.to(position_ids.device)
-        freqs = position_ids.to(torch.float32)[..., None] * self._inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        # position_ids: [B, S] -> cos, sin: [B, 1, S, head_dim], computed in float32 by transformers' rotary code
+        rotary = self._rotary
+        if rotary.inv_freq.device != position_ids.device:
+            rotary.to(position_ids.device)
+        cos, sin = rotary(torch.empty(0, dtype=dtype, device=position_ids.device), position_ids)
+        return cos[:, None], sin[:, None]
 
     def project_qkv(self, hidden, input_ids, position_ids):
         """Norms, concat, q/k/v projections and RoPE.

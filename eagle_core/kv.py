@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 
 import torch
 
@@ -33,9 +34,75 @@ def attention_bias(lengths: torch.Tensor, past_width: int, new_mask: torch.Tenso
     sees (causal, or ancestor-only for a tree). An additive mask (rather than bool) is what both the SDPA
     and the eager attention of transformers accept; the finite minimum keeps a fully masked row finite.
     """
-    allowed = attention_allowed(lengths, past_width, new_mask)
+    return to_bias(attention_allowed(lengths, past_width, new_mask), dtype)
+
+
+def to_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def restrict_to_span(allowed: torch.Tensor, rule, position_ids: torch.Tensor) -> torch.Tensor:
+    """`allowed` [B, 1, S, P+S] narrowed to a sliding window or a chunk (`families.LayerAttention`).
+
+    Committed slot s holds the token at position s; the S new entries are at `position_ids` [B, S], a tree's
+    nodes at their depth along their own path, so a node's window counts the positions of its own ancestors."""
+    from eagle_core.families import CHUNKED, SLIDING
+
+    past = allowed.shape[-1] - position_ids.shape[1]
+    slots = torch.arange(past, device=position_ids.device)[None].expand(position_ids.shape[0], past)
+    key_pos = torch.cat([slots, position_ids], dim=1)[:, None, :]  # [B, 1, P+S]
+    query_pos = position_ids[:, :, None]  # [B, S, 1]
+    if rule.kind == SLIDING:
+        inside = query_pos - key_pos < rule.span
+    elif rule.kind == CHUNKED:
+        inside = torch.div(query_pos, rule.span, rounding_mode="floor") == torch.div(key_pos, rule.span,
+                                                                                    rounding_mode="floor")
+    else:
+        return allowed
+    return allowed & inside[:, None]
+
+
+_RULES: dict = {}  # id(config) -> (weak reference to it, `_layer_rules`): transformers configs are unhashable
+
+
+def _layer_rules(config) -> tuple:
+    """(rules per layer, the most common rule, temperature-tuning bound) of a target config (`eagle_core.families`),
+    computed once per config object."""
+    from eagle_core.families import layer_attention, temperature_tuning_limit
+
+    ref, rules = _RULES.get(id(config), (None, None))
+    if ref is None or ref() is not config:
+        per_layer = tuple(layer_attention(config))
+        rules = per_layer, max(set(per_layer), key=per_layer.count), temperature_tuning_limit(config)
+        _RULES[id(config)] = (weakref.ref(config), rules)
+    return rules
+
+
+@contextlib.contextmanager
+def per_layer_masks(decoder, rules, masks: dict):
+    """Within it, every decoder layer whose rule differs from the one the whole forward was given attends with its
+    own mask: a pre-hook swaps the `attention_mask` the model passes the layer. One mechanism for every family,
+    whether its forward routes one mask per layer kind (Gemma, Qwen2, gpt-oss, Llama 4) or one mask for all."""
+    handles = []
+
+    def swap(mask):
+        def hook(_module, args, kwargs):
+            if "attention_mask" not in kwargs:
+                raise TypeError(f"{type(_module).__name__} takes its attention mask positionally; the decoder cannot "
+                                "give its layers their own masks")
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+        return hook
+
+    try:
+        for layer, rule in zip(decoder.layers, rules):
+            if rule in masks:
+                handles.append(layer.register_forward_pre_hook(swap(masks[rule]), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def use_gqa_sdpa(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
@@ -240,10 +307,19 @@ class TargetKV:
             layer.values = layer.values[at, :, :width]
 
     def merge_(self, other: "TargetKV") -> None:
-        """Append `other`'s rows after this cache's rows (new sequences join the batch)."""
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys, mine.values = pad_cat(mine.keys, theirs.keys), pad_cat(mine.values, theirs.values)
-        self.lengths = torch.cat([self.lengths, other.lengths])
+        """Append `other`'s rows after this cache's rows (new sequences join the batch).
+
+        Every new tensor is built before any is assigned: a merge that fails (out of memory, a mismatch) leaves
+        this cache exactly as it was, so only the joining rows fail, not the running ones."""
+        if len(self.cache.layers) != len(other.cache.layers):
+            raise ValueError(f"cannot merge a {len(other.cache.layers)}-layer cache into a "
+                             f"{len(self.cache.layers)}-layer one")
+        merged = [(pad_cat(mine.keys, theirs.keys), pad_cat(mine.values, theirs.values))
+                  for mine, theirs in zip(self.cache.layers, other.cache.layers)]
+        lengths = torch.cat([self.lengths, other.lengths])
+        for layer, (keys, values) in zip(self.cache.layers, merged):
+            layer.keys, layer.values = keys, values
+        self.lengths = lengths
 
 
 class DraftKV:
@@ -296,10 +372,11 @@ class DraftKV:
             self.width = width
 
     def merge_(self, other: "DraftKV") -> None:
-        """Append `other`'s rows after this cache's rows (both hold at least one entry per row)."""
-        self._kbuf, self._vbuf = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
-        self.width = self._kbuf.shape[2]
-        self.lengths = torch.cat([self.lengths, other.lengths])
+        """Append `other`'s rows after this cache's rows (both hold at least one entry per row). The new tensors
+        are built before any is assigned, so a failed merge leaves this cache as it was."""
+        kbuf, vbuf = pad_cat(self.k, other.k), pad_cat(self.v, other.v)
+        lengths = torch.cat([self.lengths, other.lengths])
+        self._kbuf, self._vbuf, self.width, self.lengths = kbuf, vbuf, kbuf.shape[2], lengths
 
 
 def pad_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -332,11 +409,22 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
     at slots [P, P+S); the caller then keeps the committed ones with `kv.keep_new_`. The lm_head is left
     to the caller, which usually needs logits at a few positions only.
     """
+    from eagle_core.families import UnsupportedTarget
     from eagle_core.target import record_hidden_states
 
     decoder = target.model
-    bias = attention_bias(kv.lengths, kv.width, new_mask, decoder.embed_tokens.weight.dtype)
-    with record_hidden_states(target, aux_layer_ids or []) as rec, our_attention(decoder):
+    rules, common, limit = _layer_rules(target.config)
+    if limit is not None and kv.width + input_ids.shape[1] > limit:
+        raise UnsupportedTarget(f"Llama 4: attention temperature tuning scales queries by the cache length past "
+                                f"{limit} tokens, which the ragged decoder does not reproduce")
+    allowed = attention_allowed(kv.lengths, kv.width, new_mask)
+    dtype = decoder.embed_tokens.weight.dtype
+    # Every layer attends with its own kind's mask (full, sliding window, chunk): the forward gets the most common
+    # one, the other layers theirs through `per_layer_masks`.
+    masks = {rule: to_bias(restrict_to_span(allowed, rule, position_ids), dtype) for rule in set(rules)}
+    bias = masks.pop(common)
+    with record_hidden_states(target, aux_layer_ids or []) as rec, our_attention(decoder), \
+            per_layer_masks(decoder, rules, masks):
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=bias, use_cache=True,
                       **{_cache_kwarg(decoder): kv.cache})
     aux = torch.cat(rec["aux"], dim=-1) if aux_layer_ids else None
@@ -351,4 +439,7 @@ def lm_logits(target, hidden: torch.Tensor) -> torch.Tensor:
     so the same argmax, and on CPUs an argmax over 16 rows of a 49k vocab costs ~0.5 ms in float32 against
     ~2 ms in bf16; sampling filters and softmaxes in float32 too. float64 (the exactness tests) stays."""
     logits = target.get_output_embeddings()(hidden)
+    cap = getattr(target.config, "final_logit_softcapping", None)
+    if cap:  # Gemma 2: tanh soft-capping of the logits, as the target's own forward applies it
+        logits = torch.tanh(logits / cap) * cap
     return logits.to(device=hidden.device, dtype=torch.promote_types(logits.dtype, torch.float32))
