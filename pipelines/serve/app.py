@@ -9,6 +9,7 @@ GET /health (no auth: probes), GET /metrics (Prometheus text of this replica; no
 
 # No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods
 # (with string annotations, `request: Request` of a Serve ingress method turns into a query parameter).
+import asyncio
 import contextlib
 import logging
 import os
@@ -82,6 +83,41 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(parts)
 
 
+class EngineStreamResponse(StreamingResponse):
+    """A streaming response that notices a client leaving at any point, before the first chunk included, and
+    then runs `on_close` (which cancels the request's engine row). Starlette watches for the disconnect only
+    below ASGI 2.4; at 2.4 it learns of it from a failed send, i.e. not before the next chunk, and never while
+    the request waits to be admitted. Here the stream and the disconnect watch always race, and `on_close`
+    runs however the response ends (finished, client gone, task cancelled)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        import anyio
+
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-send
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body is read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class Routes:
     """What the OpenAI routes do, over a `Service` (or anything with its interface): plain Python, so the
     error mapping and the accounting are tested without Ray. Every request is counted once in the request
@@ -103,15 +139,35 @@ class Routes:
                 outcome = {"code": 200}
                 events = await self.service.stream(req, chat, on_end=lambda code: outcome.update(code=code))
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                return StreamingResponse(self._stream(events, include_usage, outcome, done),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            body = await self.service.complete(req, chat)
+                return EngineStreamResponse(self._stream(events, include_usage, outcome, done), events.aclose,
+                                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            body = await self._unless_disconnected(request, self.service.complete(req, chat))
         except Exception as exc:
             response = error_response(exc)
             done(response.status_code)
             return response
+        if body is None:  # the client left; its row was cancelled (499: nginx's "client closed request")
+            done(499)
+            return Response(status_code=499)
         done(200)
         return JSONResponse(body)
+
+    @staticmethod
+    async def _unless_disconnected(request: Request, work):
+        """`await work`, or None as soon as the client disconnects; cancelling `work` (also when this handler is
+        itself cancelled) ends its `Service.events`, which cancels the engine row."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            return None
+        finally:
+            for t in (task, watcher):
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
     @staticmethod
     async def _stream(events, include_usage: bool, outcome: dict, done):
@@ -178,9 +234,11 @@ class SpecDecodeServer:
         return Response(self.service.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     def check_health(self):
-        """Serve's replica health check: a dead engine thread means restart the replica."""
-        if not self.service.engine.thread.is_alive():
-            raise RuntimeError("decoding engine thread died")
+        """Serve's replica health check: a dead engine thread, or requests pending with no progress for
+        stall_timeout_s (a hung step), means restart the replica."""
+        body = self.service.health_body()
+        if body["status"] != "ok":
+            raise RuntimeError(f"decoding engine {body['status']}: {body}")
 
     def __del__(self):
         service = getattr(self, "service", None)

@@ -42,6 +42,12 @@ class ServeConfig:
     max_tokens_limit: int = 512  # the largest max_tokens a request may ask for
     default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses the same
     max_body_bytes: int = 1 << 20
+    # ---- faults ------------------------------------------------------------------------------------------
+    request_timeout_s: float = 600.0  # a request still decoding after this gets 504 (streams: an error event)
+    # /health answers 503 and Serve's health check fails (the replica is restarted) when requests are pending
+    # and the engine made no progress (no round, no prefill) for this long: a hung step
+    stall_timeout_s: float = 120.0
+    drain_s: float = 30.0  # on shutdown, running requests may finish for this long; then they get an error event
     # ---- HTTP ------------------------------------------------------------------------------------------
     api_key: str | None = None  # bearer token; None = no auth (loopback only by default)
     torch_threads: int = 0  # 0 = the whole CPUs Ray assigned to the replica (outside Ray: torch's default)
@@ -50,6 +56,8 @@ class ServeConfig:
         self.engine  # validates the tree (top_k / depth / total_tokens) and the batching fields
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
+        if min(self.request_timeout_s, self.stall_timeout_s) <= 0 or self.drain_s < 0:
+            raise ValueError("request_timeout_s and stall_timeout_s must be > 0, drain_s >= 0")
 
     @property
     def tree(self) -> TreeConfig:

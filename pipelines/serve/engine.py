@@ -26,6 +26,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -184,21 +185,43 @@ class Lane:
         self.state: DecodingState | None = None
 
     def merge_(self, rows: list[_Row], state: DecodingState) -> None:
-        """New rows (just prefilled) join after the running ones."""
+        """New rows (just prefilled) join after the running ones. A merge that raises leaves the running rows'
+        state as it was (`_restorable`), so only the joining rows fail."""
         if self.state is None:
             self.rows, self.state = list(rows), state
-        else:
+            return
+        if self.state.dkv is not None:  # deferred draft steps first: they change the state, and stay valid
+            self.state.catch_up_draft_()
+        saved = _restorable(self.state)
+        try:
             self.state.merge_(state)
-            self.rows += rows
+        except BaseException:
+            for obj, attrs in saved:
+                obj.__dict__.update(attrs)
+            raise
+        self.rows += rows
 
-    def drop_finished_(self) -> None:
+    def drop_finished_(self) -> int:
+        """Drop finished and cancelled rows; returns how many were cancelled (their client went away)."""
         keep = [i for i, row in enumerate(self.rows) if not (row.done or row.request.cancelled)]
+        cancelled = sum(1 for row in self.rows if row.request.cancelled and not row.done)
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             if keep:
                 self.state.select_rows_(keep)
             else:
                 self.state = None
+        return cancelled
+
+
+def _restorable(state: DecodingState) -> list[tuple[object, dict]]:
+    """Shallow copies of the attributes a merge reassigns: the state's, its caches' and every cache layer's.
+    A merge builds new tensors (`torch.cat`, `kv.pad_cat`) and assigns them; it never writes into the old ones,
+    so putting the old references back restores the state exactly."""
+    objects = [state, state.kv, *state.kv.cache.layers]
+    if state.dkv is not None:
+        objects.append(state.dkv)
+    return [(obj, dict(obj.__dict__)) for obj in objects]
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
@@ -218,6 +241,11 @@ class Engine:
         self.admitting = 0  # taken from `waiting`, being prefilled: still counts against the capacity
         self.cond = threading.Condition()
         self.stopped = False
+        self.draining = False  # close() called: no new requests; running rows finish until the drain deadline
+        self.drain_deadline = float("inf")
+        # monotonic time the loop last made progress (began an iteration, finished a prefill or a round); with
+        # work pending and no progress for a while, the engine is stuck (`stalled`)
+        self.progress_at = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="spec-decode-engine", daemon=True)
         self.thread.start()
 
@@ -235,19 +263,41 @@ class Engine:
             return self._active(), len(self.waiting)
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request, or raise Overloaded at once when the engine is full."""
+        """Queue a request, or raise Overloaded at once when the engine is full or shutting down."""
         with self.cond:
             active = self._active()
-            if self.stopped or active + len(self.waiting) >= self.capacity:
+            if self.stopped or self.draining:
+                raise Overloaded("the server is shutting down")
+            if active + len(self.waiting) >= self.capacity:
                 raise Overloaded(f"{active} requests decoding and {len(self.waiting)} waiting")
             self.waiting.append(request)
             self.cond.notify()
 
-    def close(self) -> None:
+    def stalled(self, seconds: float) -> float | None:
+        """Seconds since the loop last made progress, when requests are pending and that exceeds `seconds`
+        (a hung step, a dead thread); else None."""
+        with self.cond:
+            pending = self._active() + len(self.waiting)
+        idle = time.monotonic() - self.progress_at
+        if pending and (idle > seconds or not self.thread.is_alive()):
+            return idle
+        return None
+
+    def close(self, drain_s: float = 30.0) -> None:
+        """Graceful stop: refuse new requests, let running and waiting ones decode for up to `drain_s`, then end
+        every request still open with an error event. Every request submitted gets a final event ("done" or
+        "error") unless the engine thread itself is stuck in a step."""
+        with self.cond:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + drain_s
+            self.cond.notify()
+        self.thread.join(timeout=drain_s + 10)
         with self.cond:
             self.stopped = True
             self.cond.notify()
         self.thread.join(timeout=10)
+        if self.thread.is_alive():
+            log.error("engine thread still busy after close(); its requests may get no final event")
 
     # -- the engine thread --
     def _run(self) -> None:
@@ -255,21 +305,49 @@ class Engine:
             while True:
                 admitted = self._wait_and_take()
                 if admitted is None:
+                    self._fail_open("the server is shutting down")
                     return
                 self._admit(admitted)
                 for key, lane in list(self.lanes.items()):
                     self._guarded(lane.rows, lambda: self._round(lane))
-                    lane.drop_finished_()
+                    self._count_cancelled(lane.drop_finished_())
+                    self.progress_at = time.monotonic()
                     if not lane.rows:
                         with self.cond:
                             del self.lanes[key]
+                if self.metrics is not None:
+                    self.metrics.on_load(*self.load())
+
+    def _count_cancelled(self, n: int) -> None:
+        if n and self.metrics is not None:
+            self.metrics.on_cancel(n)
+
+    def _fail_open(self, message: str) -> None:
+        """End every request the engine still holds (decoding or waiting) with an error event."""
+        with self.cond:
+            waiting, self.waiting = list(self.waiting), deque()
+            lanes, self.lanes = list(self.lanes.values()), {}
+        rows = [row for lane in lanes for row in lane.rows if not row.done]
+        for row in rows:
+            row.done = True
+            row.request.on_event(Event("error", text=message))
+        for req in waiting:
+            req.on_event(Event("error", text=message))
+        if rows or waiting:
+            log.warning("%d request(s) ended with an error at shutdown", len(rows) + len(waiting))
+        if self.metrics is not None:
+            self.metrics.on_load(0, 0)
 
     def _wait_and_take(self) -> list[GenerationRequest] | None:
+        """Requests to admit now; None when the engine must stop (closed, or drained / past the drain deadline)."""
         with self.cond:
             while not self.stopped and not self.waiting and not self.lanes:
+                if self.draining:
+                    return None  # nothing left to finish
                 self.cond.wait()
-            if self.stopped:
+            if self.stopped or (self.draining and time.monotonic() > self.drain_deadline):
                 return None
+            self.progress_at = time.monotonic()
             room = self.config.max_batch_size - self._active()
             taken = []
             while self.waiting and len(taken) < room:
@@ -280,15 +358,17 @@ class Engine:
             return taken
 
     def _guarded(self, rows: list[_Row], step: Callable[[], None]) -> None:
-        """Run a step; if it fails, fail its rows (the server stays up for everyone else)."""
+        """Run a step; if it fails, fail its rows (the server stays up for everyone else). The exception is
+        logged with an incident id; the clients get only that id (exception text can carry internals)."""
         try:
             step()
-        except Exception as exc:  # noqa: BLE001 - reported to the rows' clients, logged by Serve
+        except Exception:  # noqa: BLE001 - reported to the rows' clients by id, logged in full here
+            incident = uuid.uuid4().hex[:12]
             for row in rows:
                 if not row.done:
                     row.done = True
-                    row.request.on_event(Event("error", text=f"{type(exc).__name__}: {exc}"))
-            log.exception("decoding step failed; %d request(s) get an error", len(rows))
+                    row.request.on_event(Event("error", text=f"internal error {incident} (see the server log)"))
+            log.exception("decoding step failed (incident %s); %d request(s) get an error", incident, len(rows))
 
     def _admit(self, requests: list[GenerationRequest]) -> None:
         groups: dict[tuple, list[GenerationRequest]] = {}
@@ -310,14 +390,14 @@ class Engine:
             self.metrics.on_prefill(len(rows), sum(len(r.prompt_ids) for r in group), first.seconds)
         lane = Lane(group[0].sampling)
         lane.merge_(rows, state)
-        lane.drop_finished_()
+        self._count_cancelled(lane.drop_finished_())
         if lane.rows:
             with self.cond:
                 running = self.lanes.setdefault(key, Lane(lane.sampling))
             running.merge_(lane.rows, lane.state)
 
     def _round(self, lane: Lane) -> None:
-        lane.drop_finished_()  # cancelled rows leave before we spend compute on them
+        self._count_cancelled(lane.drop_finished_())  # cancelled rows leave before we spend compute on them
         if not lane.rows:
             return
         b = len(lane.rows)

@@ -79,6 +79,8 @@ class ServeMetrics:
         self.accepted_at_position = m("counter", "accepted_at_position",
                                       "draft rounds whose accept_length reached this depth", ("position",))
         self.rejected = m("counter", "rejected", "requests refused with 503 (engine full)")
+        self.cancelled = m("counter", "cancelled", "decoding rows dropped because their client went away or timed out")
+        self.timeouts = m("counter", "timeouts", "requests that ran past request_timeout_s")
         self.running = m("gauge", "running", "requests decoding")
         self.waiting = m("gauge", "waiting", "requests admitted, not decoding yet")
 
@@ -98,6 +100,12 @@ class ServeMetrics:
             self.accept_length.record(n)
             for d in range(1, n + 1):
                 self.accepted_at_position.record(1, position=d)
+
+    def on_cancel(self, rows: int) -> None:
+        self.cancelled.record(rows)
+
+    def on_timeout(self) -> None:
+        self.timeouts.record(1)
 
     def on_finish(self, stats) -> None:
         self.prompt_tokens.record(stats.prompt_tokens)

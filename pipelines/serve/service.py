@@ -95,9 +95,16 @@ class Service:
                                              "created": self.created, "owned_by": "eagle3-pipeline"}]}
 
     def health_body(self) -> dict:
+        """status: "ok"; "dead" (engine thread gone); "stalled" (requests pending and no progress for
+        stall_timeout_s: a hung step, answered 503 so that probes and Serve's health check replace the replica)."""
         running, waiting = self.engine.load()
-        return {"status": "ok" if self.engine.thread.is_alive() else "dead", "model": self.config.served_name,
-                "speculative": self.speculative, "running": running, "waiting": waiting}
+        stalled = self.engine.stalled(self.config.stall_timeout_s)
+        status = "dead" if not self.engine.thread.is_alive() else "stalled" if stalled is not None else "ok"
+        body = {"status": status, "model": self.config.served_name, "speculative": self.speculative,
+                "running": running, "waiting": waiting}
+        if stalled is not None:
+            body["seconds_without_progress"] = round(stalled, 1)
+        return body
 
     async def submit(self, req) -> tuple[GenerationRequest, asyncio.Queue, int]:
         """Validate the request against the model and queue it in the engine (ApiError 4xx / 503)."""
@@ -119,10 +126,17 @@ class Service:
         return gen, queue, len(ids)
 
     async def events(self, gen: GenerationRequest, queue: asyncio.Queue):
-        """The engine's events for one request until done; the request is cancelled if we stop early."""
+        """The engine's events for one request until done; the request is cancelled if we stop early (the
+        client went away, the request timed out). Past request_timeout_s: ApiError 504."""
+        deadline = time.monotonic() + self.config.request_timeout_s
         try:
             while True:
-                event = await queue.get()
+                try:
+                    event = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    self.metrics.on_timeout()
+                    raise P.ApiError(504, f"the request did not finish within {self.config.request_timeout_s:g} s",
+                                     type="timeout_error", code="request_timeout") from None
                 yield event
                 if event.kind != "delta":
                     return
@@ -134,7 +148,7 @@ class Service:
         gen, queue, prompt_len = await self.submit(req)
         rid, created, parts = P.new_id("chatcmpl" if chat else "cmpl"), P.now(), []
         async for event in self.events(gen, queue):
-            if event.kind == "error":
+            if event.kind == "error":  # the text names an incident id, never the exception's text
                 raise P.ApiError(500, f"generation failed: {event.text}", type="server_error")
             if event.kind == "delta":
                 parts.append(event.text)
@@ -145,10 +159,10 @@ class Service:
                          P.usage(prompt_len, event.stats.new_tokens), P.speculative_info(event.stats))
         raise P.ApiError(500, "generation ended without a result", type="server_error")
 
-    async def stream(self, req, chat: bool, on_end=None):
+    async def stream(self, req, chat: bool, on_end=None) -> "EventStream":
         """Server-sent events in OpenAI's chunk format; the final chunk adds usage and speculative stats."""
         gen, queue, prompt_len = await self.submit(req)
-        return self._stream_events(req, chat, gen, queue, prompt_len, on_end)
+        return EventStream(gen, self._stream_events(req, chat, gen, queue, prompt_len, on_end))
 
     async def _stream_events(self, req, chat, gen, queue, prompt_len, on_end):
         rid, created, model = P.new_id("chatcmpl" if chat else "cmpl"), P.now(), self.config.served_name
@@ -159,29 +173,56 @@ class Service:
         try:
             if chat:
                 yield P.sse(P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
-            async for event in self.events(gen, queue):
-                if event.kind == "delta":
-                    yield P.sse(chunk(event.text))
-                elif event.kind == "error":
-                    code = 500
-                    yield P.sse(P.error_body(f"generation failed: {event.text}", "server_error"))
-                else:
-                    self.metrics.on_finish(event.stats)
-                    last = chunk("", event.finish_reason)
-                    last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
-                    last["speculative"] = P.speculative_info(event.stats)
-                    yield P.sse(last)
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        usage_chunk = chunk("")
-                        usage_chunk["choices"], usage_chunk["usage"] = [], last["usage"]
-                        yield P.sse(usage_chunk)
+            events = self.events(gen, queue)
+            try:
+                async for event in events:
+                    if event.kind == "delta":
+                        yield P.sse(chunk(event.text))
+                    elif event.kind == "error":
+                        code = 500
+                        yield P.sse(P.error_body(f"generation failed: {event.text}", "server_error"))
+                    else:
+                        self.metrics.on_finish(event.stats)
+                        last = chunk("", event.finish_reason)
+                        last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
+                        last["speculative"] = P.speculative_info(event.stats)
+                        yield P.sse(last)
+                        if req.stream_options is not None and req.stream_options.include_usage:
+                            usage_chunk = chunk("")
+                            usage_chunk["choices"], usage_chunk["usage"] = [], last["usage"]
+                            yield P.sse(usage_chunk)
+            except P.ApiError as err:  # a timeout after the 200 went out: reported in the stream
+                code = err.status
+                yield P.sse(err.body())
+            finally:
+                await events.aclose()
             yield P.SSE_DONE
         finally:
             if on_end is not None:
                 on_end(code)
 
     def close(self) -> None:
-        self.engine.close()
+        """Graceful drain (Engine.close): every request still open ends with a final event."""
+        self.engine.close(self.config.drain_s)
+
+
+class EventStream:
+    """One request's SSE chunks (an async iterator). `aclose()` cancels its engine row even when iteration never
+    began: a client that leaves before the first chunk must free its row too (an async generator that never
+    started runs no `finally`)."""
+
+    def __init__(self, gen: GenerationRequest, chunks):
+        self.gen, self.chunks = gen, chunks
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.chunks.__anext__()
+
+    async def aclose(self) -> None:
+        self.gen.cancelled = True  # no-op once finished
+        await self.chunks.aclose()
 
 
 def elapsed_since(t0: float) -> float:
