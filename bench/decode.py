@@ -1,12 +1,13 @@
-"""Decoding benchmark on MT-bench (turn 1, chat template, greedy), batch 1, methods interleaved per prompt.
+"""Decoding benchmark on a named prompt set (chat template, greedy), batch 1, methods interleaved per prompt.
 
-  python -m bench.decode                                   # defaults: 16 of the 80 questions, 96 tokens
+  python -m bench.decode                                   # defaults: 16 of MT-bench's 80 questions, 96 tokens
   python -m bench.decode --dtypes float32 --methods hf_greedy,plain,tree   # a subset
+  python -m bench.decode --target gemma3-270m --prompts mixed   # another target; long contexts too
 
 Methods, in each dtype of `--dtypes` (default: float32, plus bfloat16 where the CPU has native bf16): HF
 `generate` greedy; HF prompt-lookup decoding; our plain loop (same KV cache and forward code as the
 speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
-size is auto-tuned on this machine and dtype first (on MT-bench questions outside the measured ones), with
+size is auto-tuned on this machine and dtype first (on calibration prompts outside the measured ones), with
 the lm_head on every node or on the accepted path as the auto-tune chose, and the same tree with the other
 choice ("tree_other_head": what the choice buys); ours with the auto policy (`generate(mode="auto")`: per
 round the measured-fastest of tree, chain and plain).
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
+from bench.common import RESULTS, command, machine, write_json, write_markdown
+from bench.prompt_sets import PROMPT_SETS, prompt_set
 from eagle_core.autotune import autotune, draft_cases, target_forward_cases, timed
 from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
@@ -36,10 +38,10 @@ from eagle_core.decoding import plain_step, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.policy import ModeChooser
-from eagle_core.target import cpu_has_native_bf16, load_target, resolve_dtype
+from eagle_core.shipped import shipped_draft
+from eagle_core.target import NAMED_TARGETS, SMOLLM2_NAME, cpu_has_native_bf16, load_target, resolve_dtype
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
-from pipelines.data import load_mtbench_questions, spread_indices
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "auto")
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -172,7 +174,7 @@ def category_markdown(table: dict[str, dict[str, dict]]) -> list[str]:
     labels = [label for label in first if label.split()[0] in ("tree", "auto")]
     if not labels or "hf_greedy fp32" not in first:
         return []
-    lines = ["Per MT-bench category (speed-up over HF greedy fp32 on the same prompts):", "",
+    lines = ["Per category (speed-up over HF greedy fp32 on the same prompts):", "",
              "| category | prompts | " + " | ".join(f"tau {m} | speed-up {m}" for m in labels) + " |",
              "|---|---:|" + "---:|---:|" * len(labels)]
     for category, row in table.items():
@@ -248,8 +250,9 @@ def markdown(summary: list[dict], meta: dict, categories: dict | None = None, co
              autotune: dict | None = None) -> str:
     lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
              f"`{meta['command']}`", "",
-             f"{meta['prompts']} MT-bench questions (turn 1, chat template), greedy, max_new_tokens "
-             f"{meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
+             f"{meta.get('date', '')}", "",
+             f"{meta['prompts']} prompts of the set `{meta.get('prompt_set', 'mtbench')}` (bench/prompt_sets.py; chat "
+             f"template), greedy, max_new_tokens {meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
              f"Trees (auto-tuned per dtype): {meta['trees']}, chain: {meta['chain']}. {meta['note']}.", "",
              "| method | tau | tokens/s | vs HF greedy fp32 | vs our plain (same dtype) | GB/s | "
              "identical to HF greedy (same dtype) | agreement | rounds tree/chain/plain |",
@@ -274,29 +277,35 @@ def markdown(summary: list[dict], meta: dict, categories: dict | None = None, co
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", default=str(SHIPPED_DRAFT))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bf16() else "float32")
-    p.add_argument("--chain-depth", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=TreeConfig.top_k)
-    p.add_argument("--depth", type=int, default=TreeConfig.depth)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=SMOLLM2_NAME,
+                   help=f"the target: a named one ({', '.join(NAMED_TARGETS)}), an HF folder, a .gguf file or a hub id")
+    p.add_argument("--draft", default=None,
+                   help="the draft folder (save_draft layout); default: the draft shipped for --target")
+    p.add_argument("--prompts", default="mtbench", choices=PROMPT_SETS,
+                   help="prompt set: MT-bench turn 1, long held-out ShareGPT conversations, or half of each")
+    p.add_argument("--num-prompts", type=int, default=16, help="measured prompts")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    p.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bf16() else "float32",
+                   help="comma-separated dtypes to run every method in")
+    p.add_argument("--chain-depth", type=int, default=4, help="draft tokens per round of the chain method")
+    p.add_argument("--top-k", type=int, default=TreeConfig.top_k, help="tree: children expanded per node")
+    p.add_argument("--depth", type=int, default=TreeConfig.depth, help="tree: the deepest level the auto-tune tries")
     p.add_argument("--total-tokens", type=int, default=0, help="fixed tree size; 0 = auto-tune")
-    p.add_argument("--autotune-prompts", type=int, default=3)
-    p.add_argument("--autotune-tokens", type=int, default=48)
+    p.add_argument("--autotune-prompts", type=int, default=3, help="calibration prompts of the auto-tune")
+    p.add_argument("--autotune-tokens", type=int, default=48, help="new tokens per calibration prompt")
     p.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     p.add_argument("--costs", action=argparse.BooleanOptionalAction, default=True, help="measure the cost table")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    p.add_argument("--out", default=str(RESULTS), help="folder of decode.json and decode.md")
     p.add_argument("--render", metavar="JSON", help="only rewrite the .md of an earlier run's decode.json")
     return p.parse_args(argv)
 
 
-def load_models(draft_path: str, dtype: torch.dtype):
+def load_models(target: str, draft_path: str, dtype: torch.dtype):
     """(target, tokenizer, draft in eval mode, eos ids as a list), both models in `dtype`."""
-    model, tokenizer = load_target("smollm2-135m", device="cpu", dtype=dtype)
+    model, tokenizer = load_target(target, device="cpu", dtype=dtype)
     draft = load_draft(draft_path, target=model)  # in the target's dtype
     draft.eval()
     eos = model.generation_config.eos_token_id
@@ -304,21 +313,11 @@ def load_models(draft_path: str, dtype: torch.dtype):
     return model, tokenizer, draft, eos
 
 
-def pick_prompts(tokenizer, questions: list[dict], num_prompts: int, num_calib: int):
-    """(chosen question indices, their prompts, calibration prompts from the other questions)."""
-    chosen = spread_indices(num_prompts, len(questions))
-    prompts = [prompt_ids(tokenizer, user_turn(questions[i]["turns"][0])) for i in chosen]
-    others = [i for i in range(len(questions)) if i not in chosen] or list(range(len(questions)))
-    calib = [prompt_ids(tokenizer, user_turn(questions[others[i]]["turns"][0]))
-             for i in spread_indices(num_calib, len(others))]
-    return chosen, prompts, calib
-
-
 def choose_tree(args, model, draft, eos, prompts, calib):
     """(tree, autotune result or None): the fixed `--total-tokens` tree, else one auto-tuned on `calib`."""
     if args.total_tokens:
         return TreeConfig(args.top_k, args.depth, args.total_tokens), None
-    print(f"[bench] auto-tuning the tree ({model.dtype}) on {len(calib)} other MT-bench questions ...", flush=True)
+    print(f"[bench] auto-tuning the tree ({model.dtype}) on {len(calib)} calibration prompts ...", flush=True)
     tuned = autotune(model, draft, calib, top_k=args.top_k, depth=args.depth,
                      max_new_tokens=args.autotune_tokens, eos_token_id=eos,
                      context_tokens=int(sum(map(len, prompts)) / len(prompts)) + args.max_new_tokens // 2)
@@ -414,13 +413,15 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     methods = [m for m in args.methods.split(",") if m]
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtypes.split(",") if d]
-    questions = load_mtbench_questions()
+    draft_path = args.draft or str(shipped_draft(args.target))
     chain = TreeConfig.chain(args.chain_depth)
     variants, tuned, costs, runners, prompts = {}, {}, {}, {}, None
     for dtype in dtypes:
-        model, tokenizer, draft, eos = load_models(args.draft, dtype)
+        model, tokenizer, draft, eos = load_models(args.target, draft_path, dtype)
         if prompts is None:  # the same tokenizer in every dtype
-            chosen, prompts, calib = pick_prompts(tokenizer, questions, args.num_prompts, args.autotune_prompts)
+            items, calib_items = prompt_set(args.prompts, tokenizer, args.num_prompts, args.autotune_prompts)
+            prompts = [prompt_ids(tokenizer, item["messages"]) for item in items]
+            calib = [prompt_ids(tokenizer, item["messages"]) for item in calib_items]
         tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)
         runner = runners[SHORT[dtype]] = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
         if tuned[SHORT[dtype]] is not None:  # the auto policy starts from what the auto-tune measured
@@ -435,13 +436,14 @@ def main(argv=None):
     wall = round(time.perf_counter() - t_start)
     summary = summaries(runs, variants)
     trees = {tag: str(r.tree) for tag, r in runners.items()}
-    meta = dict(target="SmolLM2-135M-Instruct", draft=describe_draft(Path(args.draft)),
-                machine=machine(torch.get_num_threads()), command=command("decode", argv),
-                prompts=len(prompts), question_ids=[questions[i]["question_id"] for i in chosen],
-                max_new_tokens=args.max_new_tokens, trees=trees, chain=str(chain), wall_seconds=wall,
+    meta = dict(target=args.target, draft=describe_draft(Path(draft_path)),
+                machine=machine(torch.get_num_threads()), command=command("decode", argv), date=time.strftime("%Y-%m-%d %H:%M %Z"),
+                prompt_set=args.prompts, prompts=len(prompts), prompt_ids=[item["id"] for item in items],
+                prompt_tokens=[len(p) for p in prompts], max_new_tokens=args.max_new_tokens, trees=trees,
+                chain=str(chain), wall_seconds=wall,
                 note=f"Wall time {wall} s; timings on a shared machine are noisy, "
                      f"which is why methods are interleaved per prompt")
-    categories = by_category(runs, [questions[i]["category"] for i in chosen])
+    categories = by_category(runs, [item["category"] for item in items])
     cost_table = {"context_tokens": COST_CONTEXT, "top_k": args.top_k, "by_dtype": costs} if costs else None
     result = dict(meta=meta, summary=summary, by_category=categories, costs=cost_table,
                   autotune={k: v.to_dict() for k, v in tuned.items() if v}, per_prompt=per_prompt(runs))
