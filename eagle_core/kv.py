@@ -439,7 +439,13 @@ def lm_logits(target, hidden: torch.Tensor) -> torch.Tensor:
     so the same argmax, and on CPUs an argmax over 16 rows of a 49k vocab costs ~0.5 ms in float32 against
     ~2 ms in bf16; sampling filters and softmaxes in float32 too. float64 (the exactness tests) stays."""
     logits = target.get_output_embeddings()(hidden)
-    cap = getattr(target.config, "final_logit_softcapping", None)
-    if cap:  # Gemma 2: tanh soft-capping of the logits, as the target's own forward applies it
+    config = target.config
+    # What the target's own causal-LM forward does after its lm_head (the sampling distribution depends on it):
+    if getattr(config, "logits_scaling", None) not in (None, 1, 1.0):  # Granite divides
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None) not in (None, 1, 1.0):  # Cohere multiplies
+        logits = logits * config.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:  # Gemma 2: tanh soft-capping
         logits = torch.tanh(logits / cap) * cap
     return logits.to(device=hidden.device, dtype=torch.promote_types(logits.dtype, torch.float32))

@@ -7,6 +7,7 @@ Drafts here are trained for a few dozen TTT steps on the tiny target's own greed
 trees accept several tokens a round (checked) and windows are crossed along accepted paths, not only at roots.
 """
 
+import functools
 import threading
 
 import pytest
@@ -45,7 +46,7 @@ def features_batch(model, sequences: list[list[int]], prompt_lengths: list[int])
 
 
 class Family:
-    """A tiny target of one family, HF's greedy answers to PROMPTS, and a draft trained on them."""
+    """A tiny target of one family, HF's greedy answers to PROMPTS, and (on first use) a draft trained on them."""
 
     def __init__(self, name: str):
         self.name = name
@@ -53,16 +54,22 @@ class Family:
         self.reference = [hf_greedy(self.model, p) for p in PROMPTS]
         self.batch = features_batch(self.model, [p + r for p, r in zip(PROMPTS, self.reference)],
                                     [len(p) for p in PROMPTS])
+
+    @functools.cached_property
+    def trained(self) -> tuple:
+        """(draft, metrics of the first TTT step, metrics of the last)."""
         torch.manual_seed(0)
-        self.draft = Eagle3Draft.from_target(self.model, draft_vocab_size=self.model.config.vocab_size,
-                                             lm_head_init="target", freeze_lm_head=False, ttt_steps=4)
+        draft = Eagle3Draft.from_target(self.model, draft_vocab_size=self.model.config.vocab_size,
+                                        lm_head_init="target", freeze_lm_head=False, ttt_steps=4)
         cfg = TrainConfig(lr=1e-2, total_steps=150)
-        optimizer = make_optimizer(self.draft, cfg)
+        optimizer = make_optimizer(draft, cfg)
         scheduler = make_scheduler(optimizer, cfg)
-        self.first_metrics = train_step(self.draft, self.batch, self.head, optimizer, scheduler, cfg)
-        for _ in range(cfg.total_steps - 1):
-            self.last_metrics = train_step(self.draft, self.batch, self.head, optimizer, scheduler, cfg)
-        self.draft.eval()
+        metrics = [train_step(draft, self.batch, self.head, optimizer, scheduler, cfg) for _ in range(cfg.total_steps)]
+        return draft.eval(), metrics[0], metrics[-1]
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return self.trained[0]
 
     @property
     def head(self):
@@ -88,10 +95,21 @@ def test_features_are_the_targets_hidden_states(family):
     torch.testing.assert_close(batch["last_hidden"], out.hidden_states[-1], rtol=0, atol=0)
 
 
+def test_our_logits_are_the_targets(family):
+    """`lm_logits` applies what the family's own forward applies after its lm_head (Granite's scaling, Gemma 2's
+    soft-cap): the distribution sampling draws from is the target's."""
+    from eagle_core.kv import lm_logits
+
+    batch = family.batch
+    out = family.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(lm_logits(family.model, batch["last_hidden"]), out.logits, rtol=0, atol=0)
+
+
 def test_ttt_trains_and_the_draft_saves_loads_and_exports(family, tmp_path):
     from eagle_core.checkpoint import export_speculators, load_draft, save_draft
 
-    assert family.last_metrics["loss"] < family.first_metrics["loss"]  # the TTT steps learned something
+    _, first, last = family.trained
+    assert last["loss"] < first["loss"]  # the TTT steps learned something
     save_draft(family.draft, tmp_path / "draft")
     loaded = load_draft(tmp_path / "draft", target=family.model).eval()
     b = family.batch
