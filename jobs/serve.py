@@ -6,12 +6,26 @@
 
 Binds 127.0.0.1 unless --host says otherwise. Runs until SIGTERM / SIGINT (or `ray job stop`), then deletes
 the application; --no-block deploys and returns (the application stays up in a long-lived cluster).
-Set EAGLE3_SERVE_API_KEY to require `Authorization: Bearer <key>`.
+Set EAGLE3_SERVE_API_KEY (or EAGLE3_SERVE_API_KEY_FILE, or --set api_key_file=PATH: a file the replicas can
+read) to require `Authorization: Bearer <key>`. A --host other than loopback is refused without a key unless
+--insecure-no-auth says so.
 """
 
 import argparse
+import ipaddress
+import os
 import signal
+import sys
 import threading
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -30,13 +44,25 @@ def main(argv=None):
     p.add_argument("--draft", default=None, help="draft folder (path or URL) or models:/<name>@<alias>; omit for plain decoding")
     p.add_argument("--name", default="eagle3", help="Serve application name")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (an all-interfaces address exposes the server to the network: only behind auth)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--route-prefix", default="/")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the Serve app")
+    p.add_argument("--route-prefix", default="/", help="URL prefix the app answers under")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any ServeConfig / DeploymentOptions field, e.g. max_batch_size=8, num_cpus=2")
     p.add_argument("--no-block", action="store_true", help="deploy and return")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key (anyone who reaches the port may use it)")
     args = p.parse_args(argv)
+    sets = parse_sets(args.set)
+    has_key = any(sets.get(k) for k in ("api_key", "api_key_file")) or any(
+        os.environ.get(k) for k in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"))
+    if not is_loopback(args.host) and not has_key:
+        if not args.insecure_no_auth:
+            raise SystemExit(f"refusing to serve on {args.host} without an API key: set EAGLE3_SERVE_API_KEY_FILE "
+                             "(or EAGLE3_SERVE_API_KEY, --set api_key_file=...), bind 127.0.0.1, or pass "
+                             "--insecure-no-auth")
+        print(f"[serve] WARNING: serving on {args.host} WITHOUT AUTHENTICATION (--insecure-no-auth): anyone who "
+              "reaches this port can use the model", file=sys.stderr, flush=True)
 
     from ray import serve
 
@@ -44,7 +70,7 @@ def main(argv=None):
     from pipelines.serve.app import build_app
 
     connect(args.address)
-    app_args = {"target": args.target, **({"draft": args.draft} if args.draft else {}), **parse_sets(args.set)}
+    app_args = {"target": args.target, **({"draft": args.draft} if args.draft else {}), **sets}
     app = build_app(app_args)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)

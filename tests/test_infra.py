@@ -159,7 +159,8 @@ def test_rayservice_deploys_the_serve_yaml_applications():
         assert ours[0][key] == theirs[0][key]
     differing = {k for k in set(ours[0]["args"]) | set(theirs[0]["args"])
                  if ours[0]["args"].get(k) != theirs[0]["args"].get(k)}
-    assert differing <= {"target", "model_name"}  # the cluster's target (next test), the same champion alias
+    # the cluster's target (next test), the same champion alias; on Kubernetes the bearer token from a Secret file
+    assert differing <= {"target", "model_name", "api_key_file"}
     assert theirs[0]["args"]["draft"] == ours[0]["args"]["draft"] == "models:/eagle3-draft@champion"
     assert serve["http_options"]["host"] == "127.0.0.1"
 
@@ -329,3 +330,236 @@ def test_image_installs_the_object_store_extras():
     assert re.search(r'pip install [^\n]*-e "\.\[[^\]]*s3[^\]]*\]"', dockerfile)
     pyproject = (REPO / "pyproject.toml").read_text()
     assert re.search(r'^s3 = \["s3fs', pyproject, re.M) and re.search(r'^gcs = \["gcsfs', pyproject, re.M)
+
+
+# ---------------------------------------------------------------------------------------------------
+# closed to strangers: every pod non-root with limits, images pinned, Ray and MLflow behind auth and policies
+
+def pod_specs() -> list[tuple[str, dict]]:
+    """(where, pod spec) of every pod any manifest makes: workloads, Ray heads and workers, RayJob submitters."""
+    found = list(ray_pod_specs())
+    for name, docs in all_manifests().items():
+        for doc in docs:
+            kind = doc.get("kind")
+            if kind in ("Deployment", "StatefulSet", "Job"):
+                found.append((f"{name} {kind}", doc["spec"]["template"]["spec"]))
+            elif kind == "CronJob":
+                found.append((f"{name} CronJob", doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
+            elif kind == "RayJob":
+                found.append((f"{name} submitter", doc["spec"]["submitterPodTemplate"]["spec"]))
+    return found
+
+
+@pytest.mark.parametrize("where,pod", pod_specs(), ids=[w for w, _ in pod_specs()])
+def test_every_pod_runs_non_root_without_escalation_and_with_limits(where, pod):
+    pod_ctx = pod.get("securityContext", {})
+    for container in pod["containers"] + pod.get("initContainers", []):
+        ctx = container.get("securityContext", {})
+        assert ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True, where
+        assert ctx.get("runAsUser", pod_ctx.get("runAsUser", 1)) != 0, where
+        assert ctx.get("allowPrivilegeEscalation") is False and not ctx.get("privileged"), where
+        assert "ALL" in ctx.get("capabilities", {}).get("drop", []), where
+        limits = container.get("resources", {}).get("limits", {})
+        assert limits.get("cpu") and limits.get("memory"), f"{where}: {container['name']} has no cpu/memory limit"
+
+
+def test_every_image_is_ours_at_the_project_version_or_pinned():
+    """Our image by its release tag (the previous test of versions); any other by digest or an exact x.y version;
+    nothing from Bitnami's withdrawn free catalog, no `latest`."""
+    texts = {p.name: p.read_text() for p in sorted(INFRA.glob("*.yaml"))}
+    images = [(name, image) for name, text in texts.items() for image in re.findall(r"image:\s*(\S+)", text)]
+    assert images
+    for name, image in images:
+        assert "bitnami" not in image and not image.endswith(":latest"), (name, image)
+        if image.startswith(IMAGE + ":"):
+            continue
+        assert re.search(r"@sha256:[0-9a-f]{64}$", image) or re.search(r":\d+\.\d+(\.\d+)?$", image), (name, image)
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    kubectl = re.search(r"COPY --from=(\S+)\s+\\?\s*/bin/kubectl", dockerfile)
+    assert kubectl and re.fullmatch(r"registry\.k8s\.io/kubectl:v[\d.]+@sha256:[0-9a-f]{64}", kubectl.group(1))
+    schedule = _schedule()[2]
+    assert schedule["image"].startswith(IMAGE + ":")  # the image that holds that kubectl and bash
+
+
+def _ray_cluster_specs() -> list[tuple[str, dict]]:
+    out = []
+    for name, docs in all_manifests().items():
+        for doc in docs:
+            if doc.get("kind") == "RayCluster":
+                out.append((name, doc["spec"]))
+            elif doc.get("kind") == "RayService":
+                out.append((name, doc["spec"]["rayClusterConfig"]))
+    return out
+
+
+def test_ray_clusters_require_a_token_and_open_no_client_port():
+    specs = _ray_cluster_specs()
+    assert {name for name, _ in specs} == {"raycluster.yaml", "rayservice.yaml"}
+    for name, spec in specs:
+        assert spec["authOptions"]["mode"] == "token" and spec["authOptions"]["secretName"], name
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            for container in group["template"]["spec"]["containers"]:
+                ports = {p["containerPort"] for p in container.get("ports", [])}
+                assert 10001 not in ports, f"{name}: the Ray Client port is opened"
+    for manifest in ("rayjob-extract.yaml", "rayjob-train.yaml", "rayjob-retrain.yaml"):
+        submitter = documents(INFRA / manifest)[0]["spec"]["submitterPodTemplate"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in submitter["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "auth_token", manifest
+
+
+def test_network_policy_admits_only_ray_pods_and_the_operators_to_the_ray_ports():
+    policy = documents(INFRA / "networkpolicy.yaml")[0]
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    ray_pods = {"ray.io/is-ray-node": "yes"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == ray_pods
+    for rule in policy["spec"]["ingress"]:
+        sources = rule["from"]
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if sources == [{"podSelector": {"matchLabels": ray_pods}}]:
+            continue  # Ray nodes among themselves: any port
+        assert ports, "a rule admitting others to every port"
+        assert all("ipBlock" not in s for s in sources)  # no address ranges: the internet is not a namespace
+        if ports & {8265, 6379, 10001}:
+            assert ports <= {8265, 6379}
+            labels = [s.get("namespaceSelector", s.get("podSelector", {})).get("matchLabels", {}) for s in sources]
+            assert {"eagle3.io/ray-operators": "true"} in labels
+            assert all(l in ({"eagle3.io/ray-operators": "true"}, {"kubernetes.io/metadata.name": "ray-system"},
+                             {"app.kubernetes.io/created-by": "kuberay-operator"}) for l in labels), labels
+        else:
+            assert ports == {8000}
+
+
+def _mlflow():
+    docs = documents(INFRA / "mlflow.yaml")
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return docs, container
+
+
+def _tracking_hosts() -> set[str]:
+    """host:port of every MLFLOW_TRACKING_URI a manifest gives its pods or jobs."""
+    uris = set()
+    for p in INFRA.glob("*.yaml"):
+        uris.update(re.findall(r"MLFLOW_TRACKING_URI\W+(?:value:\s*)?\"?(http://[^\s\"}]+)", p.read_text()))
+    assert uris
+    return {u.removeprefix("http://").rstrip("/") for u in uris}
+
+
+def test_mlflow_accepts_its_service_names_requires_auth_and_keeps_passwords_off_command_lines():
+    docs, container = _mlflow()
+    command = container.get("command", []) + container.get("args", [])
+    flags = dict(a.removeprefix("--").split("=", 1) for a in command if a.startswith("--") and "=" in a)
+    assert _tracking_hosts() <= set(flags["allowed-hosts"].split(","))
+    assert flags["app-name"] == "basic-auth"
+    text = " ".join(command)
+    assert "pip install" not in text and "${" not in text and "$(" not in text
+    assert not re.search(r"postgresql://[^@/]*:[^@/]*@", text)  # no password in the URI
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("PGPASSWORD", "MLFLOW_AUTH_ADMIN_PASSWORD"):
+        assert env[name]["valueFrom"]["secretKeyRef"], name
+    ini = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["basic_auth.ini"]
+    assert "admin_password" not in ini and not re.search(r"postgresql://[^@/]*:[^@/]*@", ini)
+    for where, pod in ray_pod_specs():  # Ray pods log in to it with a Secret's credentials
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-client", where
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert policies["mlflow-db"]["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"app": "mlflow"}}}]
+    assert policies["mlflow"]["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 5000}]
+
+
+def test_the_served_api_key_is_a_secret_file_on_every_replica_pod():
+    args = _served_args()
+    folder = os.path.dirname(args["api_key_file"])
+    assert "api_key" not in args
+    service = documents(INFRA / "rayservice.yaml")[0]["spec"]["rayClusterConfig"]
+    for group in [service["headGroupSpec"], *service["workerGroupSpecs"]]:
+        mounts = _mounts(group["template"]["spec"])
+        assert mounts[folder]["secret"]["secretName"] == "eagle3-serve-api-key"
+    for p in INFRA.glob("*.yaml"):
+        assert "EAGLE3_SERVE_API_KEY:" not in p.read_text() and "name: EAGLE3_SERVE_API_KEY\n" not in p.read_text()
+
+
+def test_serving_beyond_loopback_without_a_key_is_refused(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("job_serve", REPO / "jobs" / "serve.py")
+    serve_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_job)
+    for name in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match="refusing to serve on 0.0.0.0 without an API key"):
+        serve_job.main(["--host", "0.0.0.0"])
+    assert serve_job.is_loopback("127.0.0.1") and serve_job.is_loopback("::1") and serve_job.is_loopback("localhost")
+    assert not serve_job.is_loopback("10.0.0.5") and not serve_job.is_loopback("eagle3.example.com")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("auth", [False, True], ids=["hosts", "hosts+basic-auth"])
+def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only_with_credentials(tmp_path, auth):
+    """`mlflow server` started with the manifest's own --allowed-hosts (and --app-name: its basic auth, which needs
+    Flask-WTF, `mlflow[auth]`, as the image installs it); stores swapped for local ones, bound to 127.0.0.1. A
+    request with the cluster's Host header is answered (with the admin's credentials when auth is on; 401
+    without them), one with a foreign Host header gets 403."""
+    if auth:
+        pytest.importorskip("flask_wtf", reason="MLflow's basic-auth app needs Flask-WTF: pip install 'mlflow[auth]'")
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+    from base64 import b64encode
+
+    from process_helpers import free_port, kill_session, wait_until
+
+    _, container = _mlflow()
+    port = free_port()
+    args = []
+    for arg in container["command"][2:]:
+        key = arg.split("=", 1)[0]
+        if key in ("--host", "--port", "--backend-store-uri", "--artifacts-destination", "--workers") or (
+                key == "--app-name" and not auth):
+            continue
+        args.append(arg)
+    args += ["--host=127.0.0.1", f"--port={port}", "--workers=1",
+             f"--backend-store-uri=sqlite:///{tmp_path / 'mlflow.db'}", f"--artifacts-destination={tmp_path / 'a'}"]
+    ini = tmp_path / "basic_auth.ini"
+    ini.write_text(documents(INFRA / "mlflow.yaml")[2]["data"]["basic_auth.ini"].replace(
+        "postgresql://mlflow@mlflow-db:5432/mlflow", f"sqlite:///{tmp_path / 'auth.db'}"))
+    # the container's environment as the manifest gives it; each Secret's value made up here
+    env = {**os.environ}
+    for e in container["env"]:
+        env[e["name"]] = e.get("value") or f"secret-{e['valueFrom']['secretKeyRef']['key']}-Passw0rd!"
+    env.pop("PGPASSWORD", None)
+    env["MLFLOW_AUTH_CONFIG_PATH"] = str(ini)
+    password = env["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", *args], env=env,
+                              cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "server.log", "w"))
+    host = sorted(_tracking_hosts())[0]
+
+    def status(host_header: str, auth: bool) -> int:
+        headers = {"Host": host_header}
+        if auth:
+            headers["Authorization"] = "Basic " + b64encode(f"admin:{password}".encode()).decode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1",
+                                         headers=headers)
+        try:
+            return urllib.request.urlopen(request, timeout=10).status
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            return -1
+
+    try:
+        wait_until(lambda: server.poll() is not None or status(host, True) != -1, "the MLflow server", timeout=240)
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        time.sleep(1)
+        assert status(host, True) == 200
+        assert status(host, False) == (401 if auth else 200)
+        assert status("attacker.example:5000", True) == 403
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_session(server.pid)

@@ -355,3 +355,38 @@ def test_an_event_stream_closed_before_it_started_cancels_its_row(models):
     gen = G(PROMPT, 4, GREEDY, lambda e: None)
     asyncio.run(EventStream(gen, chunks()).aclose())
     assert gen.cancelled
+
+
+def test_the_api_key_comes_from_a_file_and_a_missing_one_stops_the_replica(tmp_path, monkeypatch):
+    from pipelines.serve.config import ServeConfig
+    from pipelines.serve.service import resolve_api_key
+
+    for name in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    key = tmp_path / "api-key"
+    key.write_text("k3y-from-a-secret\n")
+    assert resolve_api_key(ServeConfig(api_key_file=str(key))) == "k3y-from-a-secret"
+    monkeypatch.setenv("EAGLE3_SERVE_API_KEY_FILE", str(key))
+    assert resolve_api_key(ServeConfig()) == "k3y-from-a-secret"
+    monkeypatch.delenv("EAGLE3_SERVE_API_KEY_FILE")
+    with pytest.raises(RuntimeError, match="cannot read"):
+        resolve_api_key(ServeConfig(api_key_file=str(tmp_path / "absent")))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(RuntimeError, match="empty"):
+        resolve_api_key(ServeConfig(api_key_file=str(tmp_path / "empty")))
+    assert resolve_api_key(ServeConfig()) is None  # no key anywhere: no auth (a loopback server)
+    with pytest.raises(RuntimeError, match="requires an API key"):
+        resolve_api_key(ServeConfig(require_api_key=True))
+
+
+def test_the_deployment_never_puts_the_key_into_runtime_env(monkeypatch):
+    from pipelines.serve.app import build_app, deployment_options
+    from pipelines.serve.config import DeploymentOptions
+
+    monkeypatch.setenv("EAGLE3_SERVE_API_KEY", "do-not-leak")
+    monkeypatch.setenv("EAGLE3_SERVE_API_KEY_FILE", "/etc/eagle3/serve/api-key")
+    env = deployment_options(DeploymentOptions(num_gpus=0))["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert "do-not-leak" not in env.values() and env["EAGLE3_SERVE_API_KEY_FILE"] == "/etc/eagle3/serve/api-key"
+    monkeypatch.delenv("EAGLE3_SERVE_API_KEY_FILE")
+    app = build_app({"target": "t", "num_gpus": 0})  # the driver has a key the replicas may not: they must find one
+    assert app._bound_deployment.init_args[0]["require_api_key"] is True

@@ -294,9 +294,11 @@ def deployment_options(options: DeploymentOptions) -> dict:
     pythonpath = os.pathsep.join(p for p in (options.pythonpath or str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": pythonpath, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
            "MLFLOW_DISABLE_TELEMETRY": "true"}
-    for name in ("MLFLOW_TRACKING_URI", "EAGLE3_WORK", "EAGLE3_SERVE_API_KEY"):
+    # The registry and where the token file lies travel as the driver says. The token itself never does:
+    # runtime_env is shown by the Ray dashboard (a replica reads it from a file, ServeConfig.api_key_file).
+    for name in ("MLFLOW_TRACKING_URI", "EAGLE3_WORK", "EAGLE3_SERVE_API_KEY_FILE"):
         if os.environ.get(name):
-            env[name] = os.environ[name]  # the registry and the token live where the driver says
+            env[name] = os.environ[name]
     out = dict(max_ongoing_requests=options.max_ongoing_requests, max_queued_requests=options.max_queued_requests,
                ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": num_gpus,
                                   "runtime_env": {"env_vars": env}})
@@ -310,4 +312,10 @@ def deployment_options(options: DeploymentOptions) -> dict:
 def build_app(args: dict | None = None):
     """Application builder for `serve run` / `serve deploy` (import path `pipelines.serve.app:build_app`)."""
     config, options = split_args(args)
+    if os.environ.get("EAGLE3_SERVE_API_KEY") and not (config.api_key or config.api_key_file):
+        # the driver has a token the replicas may not see (they run elsewhere, runtime_env does not carry it):
+        # make a replica without one refuse to start rather than serve without auth
+        log.warning("EAGLE3_SERVE_API_KEY is set but not copied to the replicas; they use EAGLE3_SERVE_API_KEY "
+                    "from their own environment or api_key_file, and refuse to start without one")
+        config.require_api_key = True
     return SpecDecodeServer.options(**deployment_options(options)).bind(config.to_dict())

@@ -50,6 +50,10 @@ class ServeConfig:
     drain_s: float = 30.0  # on shutdown, running requests may finish for this long; then they get an error event
     # ---- HTTP ------------------------------------------------------------------------------------------
     api_key: str | None = None  # bearer token; None = no auth (loopback only by default)
+    # a file holding the bearer token (a mounted Secret): the token never travels in the app's args or in
+    # runtime_env, both of which the Ray dashboard shows; EAGLE3_SERVE_API_KEY_FILE names one too
+    api_key_file: str | None = None
+    require_api_key: bool = False  # refuse to start a replica that found no token (set by a driver that has one)
     torch_threads: int = 0  # 0 = the whole CPUs Ray assigned to the replica (outside Ray: torch's default)
 
     def __post_init__(self):

@@ -10,6 +10,7 @@ import hmac
 import logging
 import os
 import time
+from pathlib import Path
 
 from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
@@ -21,6 +22,29 @@ from pipelines.serve.models import load_models
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
+API_KEY_FILE_ENV = "EAGLE3_SERVE_API_KEY_FILE"
+
+
+def resolve_api_key(config: ServeConfig) -> str | None:
+    """The bearer token: `api_key`, else the file `api_key_file` (or $EAGLE3_SERVE_API_KEY_FILE) names, else
+    $EAGLE3_SERVE_API_KEY; None = no auth. A named file that is missing or empty, or no token while
+    `require_api_key`, stops the replica: serving without auth by accident is worse than not serving."""
+    if config.api_key:
+        return config.api_key
+    path = config.api_key_file or os.environ.get(API_KEY_FILE_ENV)
+    if path:
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as err:
+            raise RuntimeError(f"cannot read the serve API key file {path}: {err}") from err
+        if not key:
+            raise RuntimeError(f"the serve API key file {path} is empty")
+        return key
+    key = os.environ.get(API_KEY_ENV) or None
+    if key is None and config.require_api_key:
+        raise RuntimeError("this deployment requires an API key, but the replica found none: mount it as a file "
+                           f"and set api_key_file (or {API_KEY_FILE_ENV})")
+    return key
 
 
 class Service:
@@ -41,7 +65,7 @@ class Service:
         self.tokenizer, self.speculative = models.tokenizer, models.draft is not None
         self.context = min(config.max_context, models.context_length)
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
-        self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+        self.api_key = resolve_api_key(config)
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
         self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics)
         self.created = P.now()
