@@ -56,12 +56,19 @@ def user_turn(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def smollm2_recipe():
+    """The recipe of the benchmarks' target, the embedded SmolLM2 (eagle_core/recipes/smollm2-135m-instruct.toml)."""
+    from eagle_core.recipe import load_recipe
+
+    return load_recipe("smollm2-135m-instruct")
+
+
 def add_draft_training_args(p, *, steps: int, max_length: int) -> None:
     """The flags of the benchmarks that train a draft: optimiser steps, conversation length, TTT steps and draft
-    vocab (those two default to the library's, `DraftConfig`'s)."""
-    from eagle_core.draft import DraftConfig
-
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--max-length", type=int, default=max_length)
-    p.add_argument("--ttt-steps", type=int, default=DraftConfig.ttt_steps)
-    p.add_argument("--draft-vocab-size", type=int, default=DraftConfig.draft_vocab_size)
+    vocab (those two default to the SmolLM2 recipe's, the benchmarks' target)."""
+    recipe = smollm2_recipe()
+    p.add_argument("--steps", type=int, default=steps, help="optimiser steps")
+    p.add_argument("--max-length", type=int, default=max_length, help="tokens per training conversation")
+    p.add_argument("--ttt-steps", type=int, default=recipe.ttt_steps, help="training-time-test steps")
+    p.add_argument("--draft-vocab-size", type=int, default=recipe.draft_vocab_size,
+                   help="draft vocabulary (the most frequent loss-masked target tokens)")

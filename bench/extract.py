@@ -57,12 +57,12 @@ def ray_pipeline(rows, config) -> tuple[float, dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default="smollm2-135m", help="target model (a named target, an HF folder or a hub id)")
     p.add_argument("--rows", type=int, default=48, help="ShareGPT conversations")
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--tokens-per-batch", type=int, default=4096)
-    p.add_argument("--rows-per-shard", type=int, default=16)
-    p.add_argument("--out", default=str(RESULTS / "extract.json"))
+    p.add_argument("--max-length", type=int, default=512, help="tokens per conversation")
+    p.add_argument("--tokens-per-batch", type=int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--rows-per-shard", type=int, default=16, help="conversations per output shard")
+    p.add_argument("--out", default=str(RESULTS / "extract.json"), help="result JSON file")
     return p.parse_args(argv)
 
 

@@ -70,8 +70,8 @@ def main(argv=None):
     from eagle_core.target import load_target
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(RESULTS / "kvcache.json"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--out", default=str(RESULTS / "kvcache.json"), help="result JSON file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     draft = load_draft(SHIPPED_DRAFT, target=load_target("smollm2-135m", device="cpu", dtype=torch.float32)[0],

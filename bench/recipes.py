@@ -74,15 +74,15 @@ def measure_tau(draft_dir: Path, args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", default=",".join(RECIPES))
-    p.add_argument("--cpu-minutes", type=float, default=10.0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--tokens-per-batch", type=int, default=1024)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--work", default="work/recipes")
-    p.add_argument("--out", default=str(RESULTS / "recipes.json"))
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated data recipes to compare")
+    p.add_argument("--cpu-minutes", type=float, default=10.0, help="CPU time each recipe trains for")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each run")
+    p.add_argument("--tokens-per-batch", type=int, default=1024, help="padded tokens per optimiser step")
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--num-prompts", type=int, default=16, help="MT-bench prompts decoded to measure tau")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--work", default="work/recipes", help="folder of the runs (rerun to resume)")
+    p.add_argument("--out", default=str(RESULTS / "recipes.json"), help="result JSON file (and .md)")
     args = p.parse_args(argv)
     names = [n for n in args.recipes.split(",") if n]
     unknown = [n for n in names if n not in RECIPES]

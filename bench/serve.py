@@ -139,23 +139,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     from pipelines.serve.engine import EngineConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default=str(SHIPPED_DRAFT))
+    p.add_argument("--target", default="smollm2-135m", help="target model")
+    p.add_argument("--draft", default=str(SHIPPED_DRAFT), help="draft folder or models:/ URI")
     p.add_argument("--variants", nargs="+", default=["spec", "spec-tree", "plain"],
-                   choices=["spec", "spec-tree", "spec-chain", "plain"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+                   choices=["spec", "spec-tree", "spec-chain", "plain"], help="server setups to measure")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients per level")
     p.add_argument("--requests", type=int, nargs="+", default=None,
                    help="per level, a multiple of c (default 2*c, at least 4)")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="max_tokens of each request")
     p.add_argument("--time-limit", type=float, default=240.0, help="seconds per level before no new requests")
     add_dataclass_arguments(p, TreeConfig)  # --top-k, --depth, --total-tokens
     p.add_argument("--mode-policy", default=EngineConfig.mode_policy, choices=["auto", "static"],
                    help="of the `spec` variant")
-    p.add_argument("--tree-max-batch", type=int, default=None, help="default: ServeConfig's")
-    p.add_argument("--chain-max-batch", type=int, default=None)
-    p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--out", default=str(RESULTS / "serve.json"))
+    p.add_argument("--tree-max-batch", type=int, default=None, help="largest batch decoded with trees (default: ServeConfig's)")
+    p.add_argument("--chain-max-batch", type=int, default=None, help="largest batch decoded with chains (default: ServeConfig's)")
+    p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="torch threads of the server")
+    p.add_argument("--port", type=int, default=8123, help="HTTP port of the server under test")
+    p.add_argument("--out", default=str(RESULTS / "serve.json"), help="result JSON file (and .md)")
     args = p.parse_args(argv)
     if not Path(args.draft).exists() and not args.draft.startswith("models:/"):
         raise SystemExit(f"no draft at {args.draft}: train one with `python -m jobs.distill` first")

@@ -118,12 +118,12 @@ def bench_ray(config: TrainJobConfig) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--conversations", type=int, default=48, help="ShareGPT conversations to train on")
     add_draft_training_args(p, steps=24, max_length=256)
-    p.add_argument("--tokens-per-batch", type=int, default=2048)
+    p.add_argument("--tokens-per-batch", type=int, default=2048, help="real tokens per optimiser step")
     p.add_argument("--threads", type=int, default=2, help="torch threads in both setups (Ray: CPUs per worker)")
-    p.add_argument("--work", default=str(ROOT / "work" / "bench-train"))
-    p.add_argument("--out", default=str(RESULTS / "train.json"))
+    p.add_argument("--work", default=str(ROOT / "work" / "bench-train"), help="work folder of both setups")
+    p.add_argument("--out", default=str(RESULTS / "train.json"), help="result JSON file")
     return p.parse_args(argv)
 
 

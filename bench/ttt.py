@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, ROOT, add_draft_training_args, command, write_json
+from bench.common import RESULTS, ROOT, add_draft_training_args, command, smollm2_recipe, write_json
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.target import default_device, materialize_hf_folder
 from eagle_core.ttt import TrainConfig, make_optimizer, ttt_forward, ttt_forward_naive
@@ -84,9 +84,10 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     torch.manual_seed(0)
     tc = smollm2_config()
-    cfg = DraftConfig.from_target(tc)
+    recipe = smollm2_recipe()
+    cfg = DraftConfig.from_target(tc, draft_vocab_size=recipe.draft_vocab_size, ttt_steps=recipe.ttt_steps)
     draft = Eagle3Draft(cfg).to(device).train()
-    opt = make_optimizer(draft, TrainConfig())
+    opt = make_optimizer(draft, TrainConfig(lr=recipe.lr))
     batch = random_batch(tc, length, device)
 
     def step():
@@ -162,7 +163,8 @@ def bench_speed(args, out_path):
     # Runs at other lengths already in the file are kept (`--lengths 2048` can be added to a file later), if they
     # measured the same draft shape.
     previous = json.loads(Path(out_path).read_text())["runs"] if Path(out_path).is_file() else []
-    shape = {"ttt_steps": DraftConfig.ttt_steps, "draft_vocab_size": DraftConfig.draft_vocab_size}
+    recipe = smollm2_recipe()
+    shape = {"ttt_steps": recipe.ttt_steps, "draft_vocab_size": recipe.draft_vocab_size}
     rows = [r for r in previous if (r["seq_len"], r["impl"]) not in {(n, i) for n in args.lengths for i in args.impls}
             and all(r.get(k) == v for k, v in shape.items())]
     for length in args.lengths:
@@ -248,7 +250,7 @@ def train_variant(kw: dict, data, steps: int, ttt_steps: int, draft_vocab_size: 
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(model, draft_vocab_size=draft_vocab_size, d2t=d2t, t2d=t2d,
                                     ttt_steps=ttt_steps, **kw)
-    cfg = TrainConfig(warmup_steps=steps // 10, total_steps=steps, ttt_steps=ttt_steps)
+    cfg = TrainConfig(lr=smollm2_recipe().lr, warmup_steps=steps // 10, total_steps=steps, ttt_steps=ttt_steps)
     t0 = time.perf_counter()
     history = train_draft_steps(draft, train, head, cfg)
     seconds = time.perf_counter() - t0
@@ -274,7 +276,7 @@ def bench_lm_head_init(steps: int, out_path, n_train: int, n_eval: int, max_leng
         print(name, json.dumps(results[name]), flush=True)
     train, held_out = data[1], data[2]
     result = {
-        "what": f"{steps} AdamW steps (lr {TrainConfig.lr:g}, warm-up + cosine) on {len(train)} SmolLM2 conversations "
+        "what": f"{steps} AdamW steps (lr {smollm2_recipe().lr:g}, warm-up + cosine) on {len(train)} SmolLM2 conversations "
                 f"(<= {max_length} tokens each, batch 1), ttt_steps {ttt_steps}, draft vocab {draft_vocab_size}; "
                 f"accuracy = top-1 agreement with the target, per TTT step, on {len(held_out)} held-out conversations",
         "command": command("ttt"),
@@ -286,18 +288,19 @@ def bench_lm_head_init(steps: int, out_path, n_train: int, n_eval: int, max_leng
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
-    p.add_argument("--impls", nargs="+", default=["ours", "naive"], choices=list(IMPLS))
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="sequence lengths to time")
+    p.add_argument("--impls", nargs="+", default=["ours", "naive"], choices=list(IMPLS),
+                   help="TTT implementations to time")
     p.add_argument("--iters", type=int, default=1, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 on CUDA, 0 on CPU)")
-    p.add_argument("--device", default=default_device())
+    p.add_argument("--device", default=default_device(), help="torch device")
     p.add_argument("--mem-limit-gib", type=float, default=12.0, help="per-run memory cap on CPU (0 = none)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per (implementation, length) run")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="result JSON file (default: bench/results/ttt.json, or lm_head_init.json)")
     p.add_argument("--lm-head-init", action="store_true", help="compare lm_head initialisations instead")
     add_draft_training_args(p, steps=200, max_length=128)
-    p.add_argument("--n-train", type=int, default=6)
-    p.add_argument("--n-eval", type=int, default=4)
+    p.add_argument("--n-train", type=int, default=6, help="--lm-head-init: training conversations")
+    p.add_argument("--n-eval", type=int, default=4, help="--lm-head-init: held-out conversations")
     p.add_argument("--variants", nargs="+", default=None, choices=list(LM_HEAD_VARIANTS),
                    help="lm_head inits to run (default: all)")
     p.add_argument("--child", nargs=2, metavar=("IMPL", "LENGTH"), help=argparse.SUPPRESS)

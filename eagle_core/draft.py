@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_core.recipe import REFERENCE
+
 LM_HEAD_INITS = ("random", "target")
 
 
@@ -38,11 +40,11 @@ class DraftConfig:
     max_position_embeddings: int
     target_hidden_size: int
     target_vocab_size: int
-    # The defaults below are the library's, measured best for the SmolLM2 draft (docs/DESIGN.md): a draft vocab
-    # of the 8192 most frequent loss tokens of a 49k-token target (EAGLE-3's Llama-3 recipe uses 32000 of 128k).
-    draft_vocab_size: int = 8192
+    # The library's defaults are the reference recipe's (eagle_core/recipes/reference.toml); a job takes the
+    # recipe of its target instead (eagle_core.recipe.resolve_recipe).
+    draft_vocab_size: int = REFERENCE.draft_vocab_size
     aux_layer_ids: list[int] = field(default_factory=list)
-    ttt_steps: int = 7
+    ttt_steps: int = REFERENCE.ttt_steps
     # The target's RoPE scaling ({"rope_type": "llama3" | "linear", ...}); None = plain RoPE.
     rope_scaling: dict | None = None
     hidden_act: str = "silu"

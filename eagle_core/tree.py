@@ -21,7 +21,7 @@ draft's output hidden state of its parent's entry (EAGLE's own-feature recursion
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,13 +30,16 @@ from eagle_core.kv import DraftKV, attention_allowed
 
 @dataclass
 class TreeConfig:
-    top_k: int = 8
-    depth: int = 6
-    total_tokens: int = 32  # draft nodes kept (the verified tree has total_tokens + 1 tokens with the root)
+    # `help` metadata: the command lines built from this dataclass (pipelines.cli.add_dataclass_arguments)
+    top_k: int = field(default=8, metadata={"help": "draft tree: candidates kept per node"})
+    depth: int = field(default=6, metadata={"help": "draft tree: levels drafted per round"})
+    # draft nodes kept (the verified tree has total_tokens + 1 tokens with the root)
+    total_tokens: int = field(default=32, metadata={"help": "draft tree: nodes verified per round (plus the root)"})
     # The target's lm_head only along the path being accepted (one row per sequence and level) instead of on
     # every node: cheaper where a multi-row head costs more than tau one-row ones (fp32 on CPUs); the
     # auto-tuner measures both. Same tokens either way.
-    path_logits: bool = False
+    path_logits: bool = field(default=False, metadata={
+        "help": "target lm_head only along the accepted path (cheaper where multi-row heads cost more)"})
 
     def __post_init__(self):
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 1:

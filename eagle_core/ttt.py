@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_core.draft import Eagle3Draft, repeat_kv
+from eagle_core.recipe import REFERENCE
 from eagle_core.vocab import draft_ids_from_mapping
 
 NOISE_KINDS = ("none", "uniform", "gaussian")
@@ -291,13 +292,13 @@ def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidde
 
 
 @dataclass
-class TrainConfig:  # the library's optimiser defaults: every job config takes its own from here
-    lr: float = 1e-3  # measured best for the SmolLM2 draft (docs/DESIGN.md); EAGLE-3's Llama recipe uses 1e-4
+class TrainConfig:  # the library's optimiser settings; lr and schedule floor are the reference recipe's
+    lr: float = REFERENCE.lr
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 0
     total_steps: int = 1000
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = REFERENCE.min_lr_ratio
     max_grad_norm: float = 0.5
     step_decay: float = 0.8
     ttt_steps: int | None = None  # None = the draft config's

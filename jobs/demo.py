@@ -21,6 +21,7 @@ import sys
 import time
 
 from eagle_core.tree import TreeConfig
+from pipelines.cli import add_recipe_option
 from pipelines.console import quiet_terminal, say
 
 DEMO_QUESTIONS = [
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the Serve app on 127.0.0.1")
     p.add_argument("--answer-tokens", type=int, default=64, help="max_tokens of the demo chat requests")
     p.add_argument("--address", default=None, help="Ray address (default: a local cluster)")
+    add_recipe_option(p)
     return p
 
 
@@ -87,12 +89,23 @@ def machine_sizes(rows: int) -> dict:
             "extract_workers": workers, "rows_per_shard": rows_per_shard}
 
 
-def retrain_step(args, work: str, sizes: dict) -> dict:
+def recipe_overrides(recipe) -> tuple[dict, dict]:
+    """The recipe's values for the demo's extraction and training. The candidate's lr is retraining's warm-start lr
+    (it starts from the champion); max length is the demo's own --max-length (short conversations, a fast demo)."""
+    values = recipe.training_values()
+    train = {k: values[k] for k in ("draft_vocab_size", "ttt_steps", "tokens_per_batch", "warmup_ratio",
+                                    "min_lr_ratio")}
+    extract = {"aux_layer_ids": values["aux_layer_ids"]} if values["aux_layer_ids"] else {}
+    return extract, train
+
+
+def retrain_step(args, work: str, sizes: dict, recipe) -> dict:
     import ray
 
     from pipelines.retrain import RetrainConfig, run_retrain
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # progress goes to the log, stages here
+    extract, train = recipe_overrides(recipe)
     config = RetrainConfig(
         corpus=args.corpus, scales=[args.rows], work=f"{work}/demo", target=args.target,
         registered_model=REGISTERED_MODEL, eval_count=args.eval_count, eval_max_new_tokens=args.answer_tokens,
@@ -100,9 +113,9 @@ def retrain_step(args, work: str, sizes: dict) -> dict:
         extract={"max_length": args.max_length, "regenerate": True, "max_new_tokens": args.max_new_tokens,
                  "num_workers": sizes["extract_workers"], "cpus_per_worker": 1.0,
                  "rows_per_shard": sizes["rows_per_shard"], "regen_batch_size": sizes["rows_per_shard"],
-                 "mlflow_experiment": "eagle3-extract"},
-        train={"epochs": args.train_epochs, "tokens_per_batch": 2048, "eval_fraction": 0.1,
-               "cpus_per_worker": sizes["train_cpus"], "mlflow_experiment": "eagle3-train"})
+                 "mlflow_experiment": "eagle3-extract", **extract},
+        train={**train, "epochs": args.train_epochs, "eval_fraction": 0.1, "cpus_per_worker": sizes["train_cpus"],
+               "mlflow_experiment": "eagle3-train"})
     result = run_retrain(config)["scales"][0]
     verdict = "promoted to champion" if result["promoted"] else "kept as candidate (not better)"
     say(f"[demo] candidate version {result['version']}: tau {result['tau']:.2f} vs champion "
@@ -173,7 +186,11 @@ def run(args, work: str) -> None:
     from pipelines.cluster import connect
     from pipelines.data import ingest
 
+    from eagle_core.recipe import resolve_recipe
+
     started = time.perf_counter()
+    recipe = resolve_recipe(getattr(args, "recipe", None), args.target)
+    say(f"[demo] recipe {recipe.summary()} ({recipe.why})")
     connect(args.address)
 
     banner(f"1/5 ingest: {args.rows} rows of {args.corpus}")
@@ -187,7 +204,7 @@ def run(args, work: str) -> None:
     say(f"[demo] {sizes['cores']:.0f} cores: {sizes['extract_workers']} extraction actor(s) of one thread each, "
         f"{sizes['rows_per_shard']} rows per shard; training on {sizes['train_cpus']:.0f} threads, evaluation and "
         f"serving on {sizes['cores']:.0f}")
-    result = retrain_step(args, work, sizes)
+    result = retrain_step(args, work, sizes, recipe)
 
     banner("4/5 serve: target + champion draft on Ray Serve at 127.0.0.1, OpenAI-compatible chat")
     serve_step(args, f"models:/{REGISTERED_MODEL}@champion", sizes, champion_evaluation(result)["tuned_tree"])

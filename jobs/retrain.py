@@ -8,6 +8,10 @@ smaller scale are reused, a scale trained before is not trained again. The new d
 registry's `champion` only if its greedy tau beats the champion's by --margin; otherwise `candidate`. The
 decision is a compare-and-set under a lock held in the registry: a champion that moved since the evaluation is
 evaluated again first. `--rollback` restores the champion that the current one replaced.
+
+The recipe in force (--recipe, else the target's: eagle_core/recipes/) fills the extraction's max length and aux
+layers and the training's draft vocabulary, TTT steps, tokens per step and schedule wherever --extract / --train do
+not set them; a warm-started candidate's lr is --warm-start-lr, a candidate from scratch takes the recipe's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import os
 import sys
 
-from pipelines.cli import comma_separated
+from pipelines.cli import add_recipe_option, comma_separated
 from pipelines.retrain import RetrainConfig, run_retrain
 
 
@@ -68,7 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollback", action="store_true",
                    help="only point --registered-model's champion back at the version the current champion "
                         "replaced (recorded at promotion), under the promotion lock; no training")
+    add_recipe_option(p)
     return p
+
+
+def apply_recipe(args: dict, recipe) -> dict:
+    """`args` with the recipe's values in its --extract / --train overrides wherever those do not set them."""
+    values = recipe.training_values()
+    extract, train = dict(args["extract"]), dict(args["train"])
+    extract.setdefault("max_length", values["max_length"])
+    if values["aux_layer_ids"]:
+        extract.setdefault("aux_layer_ids", values["aux_layer_ids"])
+    if values["gpus_per_target"] > 1:
+        extract.setdefault("gpus_per_worker", float(values["gpus_per_target"]))
+    for key in ("draft_vocab_size", "ttt_steps", "tokens_per_batch", "warmup_ratio", "min_lr_ratio"):
+        train.setdefault(key, values[key])
+    if not args["warm_start"]:  # a warm-started candidate takes --warm-start-lr unless --train sets lr
+        train.setdefault("lr", values["lr"])
+    return {**args, "extract": extract, "train": train}
 
 
 def main(argv=None) -> int:
@@ -80,6 +101,14 @@ def main(argv=None) -> int:
         old, new = rollback(args["registered_model"])
         print(f"[retrain] {args['registered_model']}@champion rolled back from version {old} to version {new}")
         return 0
+    from eagle_core.recipe import RecipeError, resolve_recipe
+
+    try:
+        recipe = resolve_recipe(args.pop("recipe", None), args["target"])
+    except (RecipeError, FileNotFoundError) as err:
+        raise SystemExit(f"retrain.py: {err}") from err
+    print(f"[retrain] recipe {recipe.summary()} ({recipe.why})", flush=True)
+    args = apply_recipe(args, recipe)
     from pipelines.cluster import connect
 
     connect(address)

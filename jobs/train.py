@@ -4,7 +4,12 @@
         python jobs/train.py --features work/features --output work/train/run1 --num-workers 2
     python jobs/train.py --features s3://bucket/features/run1 --output work/train/run1 --num-workers 8 --use-gpu
     python jobs/train.py --corpus sharegpt --limit 2000 --target smollm2-135m --output work/train/online
+    python jobs/train.py --recipe llama3.1-8b-instruct --target meta-llama/Llama-3.1-8B-Instruct \
+        --corpus chats.jsonl --dry-run
 
+The recipe in force (--recipe, else the target's; eagle_core/recipes/) sets the learning rate and schedule, TTT
+steps, draft vocabulary, tokens per step and, when streaming, max length, aux layers and GPUs per target copy,
+unless those flags are given. --dry-run prints the plan and checks that target and recipe load (no Ray, no weights).
 Connects to the cluster `ray job submit` gives it, else starts an embedded local one. Checkpoints go to
 <output>/ray; rerun with --resume to continue a stopped run where its last checkpoint left it. The final
 draft lands in <output>/draft (vLLM/SGLang layout) and <output>/draft-speculators, is logged to MLflow and
@@ -17,7 +22,8 @@ import argparse
 import json
 import sys
 
-from jobs.extract import add_extraction_options
+from jobs.extract import add_extraction_options, add_plan_options, resolve_job_recipe, target_shape
+from pipelines.cli import defer_to_recipe, fill_from_recipe
 from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train
 
 # Streaming mode: the extraction options (jobs/extract.py) that apply, with their ExtractConfig names.
@@ -28,6 +34,10 @@ STREAM_OPTIONS = {
     "cpus_per_extract_worker": "cpus_per_worker", "extract_tokens_per_batch": "tokens_per_batch",
     "rows_per_shard": "rows_per_shard", "regen_batch_size": "regen_batch_size",
 }
+# Options that default to the recipe's values (option -> recipe value); the last two only when streaming.
+RECIPE_OPTIONS = {"lr": "lr", "warmup_ratio": "warmup_ratio", "min_lr_ratio": "min_lr_ratio",
+                  "tokens_per_batch": "tokens_per_batch", "ttt_steps": "ttt_steps",
+                  "draft_vocab_size": "draft_vocab_size", "max_length": "max_length", "aux_layer_ids": "aux_layer_ids"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rows-per-shard", type=int, default=e.rows_per_shard, help="conversations per stream block")
     s.add_argument("--regen-batch-size", type=int, default=e.regen_batch_size, help="conversations per generate call")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    add_plan_options(p)
+    defer_to_recipe(p, RECIPE_OPTIONS)
     return p
 
 
@@ -109,9 +121,35 @@ def config_from_args(args: dict) -> TrainJobConfig:
     return TrainJobConfig(**args, extract=extract if args["corpus"] is not None else {})
 
 
+def job_target(args: dict) -> str | None:
+    """The target of the run: --target, else (features mode) the extraction manifest's."""
+    if args["target"] is not None or args["features"] is None:
+        return args["target"]
+    from pipelines.feature_files import load_manifest
+
+    try:
+        return load_manifest(args["features"]).target
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"train.py: cannot read the manifest of --features {args['features']}: {err}") from err
+
+
 def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
-    address = args.pop("address")
+    address, dry_run, gpu_memory_gib = args.pop("address"), args.pop("dry_run"), args.pop("gpu_memory_gib")
+    if args["features"] is None and args["corpus"] is None and not (dry_run and args["target"]):
+        raise SystemExit("train.py: give --features (an extraction output) or --corpus (streaming)"
+                         + ("" if dry_run else "; --dry-run with --target alone plans for the target and recipe"))
+    if args["corpus"] is not None and args["target"] is None:
+        raise SystemExit("train.py: streaming from --corpus needs --target")
+    target = job_target(args)
+    shape = target_shape("train", target) if dry_run else None
+    recipe = resolve_job_recipe("train", args.pop("recipe", None), target, gpu_memory_gib, shape)
+    fill_from_recipe(args, recipe, RECIPE_OPTIONS)
+    if args["gpus_per_extract_worker"] is None and recipe.gpus_per_target > 1:
+        args["gpus_per_extract_worker"] = float(recipe.gpus_per_target)
+    if dry_run:
+        print("\n".join(dry_run_plan(args, target, recipe, shape, gpu_memory_gib).lines()), flush=True)
+        return 0
     config = config_from_args(args)
     from pipelines.cluster import connect
 
@@ -122,6 +160,24 @@ def main(argv=None) -> int:
     print(json.dumps({k: summary.get(k) for k in keys}, indent=1, default=str))
     print(f"[train] draft in {summary['draft']}")
     return 0
+
+
+def dry_run_plan(args: dict, target: str, recipe, shape, gpu_memory_gib: float):
+    from pipelines.preflight import plan_extract, plan_from_manifest, plan_without_data
+
+    train = {"epochs": args["epochs"], "eval_fraction": args["eval_fraction"],
+             "tokens_per_batch": args["tokens_per_batch"], "max_steps": args["max_steps"]}
+    if args["features"] is None and args["corpus"] is None:
+        return plan_without_data(job="train", target=target, recipe=recipe, shape=shape, dtype=args["dtype"],
+                                 num_workers=args["extract_workers"], gpus_per_worker=args["gpus_per_extract_worker"],
+                                 gpu_memory_gib=gpu_memory_gib, **train)
+    if args["features"] is not None:
+        return plan_from_manifest(features=args["features"], recipe=recipe, shape=shape, gpu_memory_gib=gpu_memory_gib,
+                                  **train)
+    return plan_extract(job="train", streaming=True, target=target, corpus=args["corpus"], recipe=recipe,
+                        shape=shape, max_length=args["max_length"], limit=args["limit"], dtype=args["dtype"],
+                        num_workers=args["extract_workers"], gpus_per_worker=args["gpus_per_extract_worker"],
+                        gpu_memory_gib=gpu_memory_gib, **train)
 
 
 if __name__ == "__main__":

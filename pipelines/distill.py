@@ -33,41 +33,47 @@ from eagle_core.target import capture_features, cpu_has_native_bf16, load_target
 from eagle_core.ttt import (TrainConfig, load_train_state, make_optimizer, make_scheduler, train_state_dict,
                             train_step, ttt_forward)
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
-from pipelines.cli import config_from_fields
+from eagle_core.recipe import REFERENCE
+from pipelines.cli import config_from_fields, option
 from pipelines.train.model import warm_start
 
 
 @dataclass
 class DistillConfig:
-    output: str = "work/distill"
-    target: str = "smollm2-135m"
-    corpus: str = "sharegpt"
-    max_length: int = 1024
-    min_loss_tokens: int = 32
-    tokens_per_batch: int = 2048  # padded tokens per optimiser step
-    steps: int = 1000
-    lr: float = TrainConfig.lr
-    warmup_steps: int = 30
-    ttt_steps: int = DraftConfig.ttt_steps
-    draft_vocab_size: int = DraftConfig.draft_vocab_size
-    vocab_conversations: int = 4000  # conversations whose loss tokens choose the draft vocabulary
-    heldout: int = 48  # the first usable conversations, never trained on
-    lm_head_init: str = "target"  # the target's rows, trainable: a head that starts where the target is
-    checkpoint_every: int = 50
-    threads: int | None = None
-    autocast: str = "auto"  # "auto": bf16 where the CPU (or GPU) has native bf16; "off"
-    feature_dtype: str = "auto"  # target dtype for features: "auto" = bfloat16 where native, else float32
-    seed: int = 0
-    mlflow_experiment: str | None = "eagle3-distill"
-    # Which answers the draft learns from: "corpus" (the corpus's own, a prefill only), "regenerated" (the
-    # target rewrites every assistant turn first, as EAGLE-3 does) or "mix" (every other conversation).
-    answers: str = "corpus"
-    regen_max_new_tokens: int = 256
-    cpu_minutes: float | None = None  # stop after this much CPU time of work (summed over resumes): equal-CPU recipes
-    # Warm start: an earlier draft's weights (folder, fsspec URL or models:/ URI; a fresh optimiser), and the
-    # conversation to start from after the held-out ones (e.g. where that draft's own run stopped).
-    init_from: str | None = None
-    first_conversation: int = 0
+    """One distillation run; also its command line (`python -m jobs.distill --help`, help from each field). The
+    recipe's values (lr, ttt_steps, draft_vocab_size, max_length, tokens_per_batch) default to the reference
+    recipe's here; jobs.distill fills them from the target's recipe unless given."""
+
+    output: str = option("work/distill", "output folder: state, checkpoints and the final draft (rerun to resume)")
+    target: str = option("smollm2-135m", "target model: a named target, a .gguf file, an HF folder or a hub id")
+    corpus: str = option("sharegpt", "corpus URL (file, folder or glob); 'sharegpt' = the embedded ShareGPT file")
+    max_length: int = option(REFERENCE.max_length, "tokens per training conversation (longer ones are cut)")
+    min_loss_tokens: int = option(32, "skip conversations with fewer loss-masked tokens than this")
+    tokens_per_batch: int = option(REFERENCE.tokens_per_batch, "padded tokens per optimiser step")
+    steps: int = option(1000, "optimiser steps of the whole run (the cosine schedule spans them)")
+    lr: float = option(TrainConfig.lr, "peak learning rate (AdamW)")
+    warmup_steps: int = option(30, "linear warm-up steps")
+    ttt_steps: int = option(DraftConfig.ttt_steps, "training-time-test steps")
+    draft_vocab_size: int = option(DraftConfig.draft_vocab_size,
+                                   "draft vocabulary: the most frequent loss-masked target tokens")
+    vocab_conversations: int = option(4000, "conversations whose loss tokens choose the draft vocabulary")
+    heldout: int = option(48, "the first usable conversations, set aside for evaluation and never trained on")
+    lm_head_init: str = option("target", "draft lm_head init: 'target' (the target's rows, trainable: a head that "
+                                         "starts where the target is) or 'random'")
+    checkpoint_every: int = option(50, "evaluate and save state + draft every N steps")
+    threads: int | None = option(None, "torch threads (default: torch's choice)")
+    autocast: str = option("auto", "'auto': bf16 autocast where the CPU (or GPU) has native bf16; 'off'")
+    feature_dtype: str = option("auto", "target dtype for features: 'auto' = bfloat16 where native, else float32")
+    seed: int = option(0, "draft init and data order")
+    mlflow_experiment: str | None = option("eagle3-distill", "MLflow experiment")
+    answers: str = option("corpus", "answers to learn from: 'corpus' (the corpus's own, prefill only), "
+                                    "'regenerated' (the target rewrites them first) or 'mix' (every other one)")
+    regen_max_new_tokens: int = option(256, "regeneration: tokens per rewritten reply")
+    cpu_minutes: float | None = option(None, "stop after this much CPU time of work, summed over resumes "
+                                             "(equal-CPU comparisons)")
+    init_from: str | None = option(None, "warm start: an earlier draft (folder, fsspec URL or models:/ URI) whose "
+                                         "weights seed this one; a fresh optimiser")
+    first_conversation: int = option(0, "start the stream at this conversation after the held-out ones")
 
     def __post_init__(self):
         if self.answers not in ANSWERS:
@@ -92,10 +98,12 @@ def iter_messages(corpus: str):
 
 def usable(tokenizer, messages: list[dict], max_length: int, min_loss_tokens: int):
     """(input_ids, loss_mask) of a conversation with at least `min_loss_tokens` loss tokens, else None."""
-    from eagle_core.chat import TemplateError, tokenize_conversation
+    from eagle_core.chat import NoChatTemplateError, TemplateError, tokenize_conversation
 
     try:
         tok = tokenize_conversation(tokenizer, messages, max_length=max_length)
+    except NoChatTemplateError:
+        raise  # no row can be rendered: skipping them all would train on nothing, silently
     except TemplateError:
         return None
     return (tok.input_ids, tok.loss_mask) if sum(tok.loss_mask) >= min_loss_tokens else None

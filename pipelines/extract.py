@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from eagle_core.recipe import REFERENCE
 from pipelines.feature_files import (
     DTYPE_NAMES,
     FEATURE_SCHEMA,
@@ -42,7 +43,7 @@ class ExtractConfig:
     output: str = "work/features"
     target: str = "smollm2-135m"
     limit: int | None = None
-    max_length: int = 2048
+    max_length: int = REFERENCE.max_length  # tokens per conversation (eagle_core/recipes/reference.toml)
     regenerate: bool = True
     # 'hf': the actor's own target generates (batches of regen_batch_size); 'openai:URL': an OpenAI-compatible
     # server does (vLLM, SGLang, jobs/serve.py), a whole shard's turn in flight at once (pipelines.regenerate)

@@ -38,7 +38,7 @@ class RetrainConfig:
     margin: float = 0.05  # tau the new draft must gain over the champion to replace it
     warm_start: bool = True  # initialise from the current champion when its shapes fit
     # learning rate of a warm-started candidate unless `train` sets one: fine-tuning takes a smaller step than
-    # training from scratch (TrainConfig.lr, 1e-3); the shipped draft's warm-started runs used 2e-4 and 3e-4
+    # training from scratch (the recipe's lr); the shipped draft's warm-started runs used 2e-4 and 3e-4
     warm_start_lr: float = 2e-4
     extract: dict = field(default_factory=dict)  # ExtractConfig overrides (regenerate, max_length, ...)
     train: dict = field(default_factory=dict)  # TrainJobConfig overrides (epochs, lr, num_workers, ...)

@@ -1,7 +1,9 @@
 """The job's configuration: one validated dataclass (it is also the CLI, see jobs/train.py, and the MLflow params).
 
 Its fields are flat (CLI flags, `--train` JSON overrides, MLflow params); those that belong to the draft or to the
-optimiser take their defaults from `DraftConfig` and `TrainConfig`, which own them.
+optimiser take their defaults from `DraftConfig` and `TrainConfig`, which own them, and the recipe's others
+(warm-up ratio, tokens per step) from the reference recipe (eagle_core.recipe.REFERENCE). jobs/train.py fills them
+from the recipe in force instead.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.draft import LM_HEAD_INITS, DraftConfig
+from eagle_core.recipe import REFERENCE
 from eagle_core.ttt import TrainConfig
 from pipelines.cli import config_from_fields
 
@@ -31,11 +34,11 @@ class TrainJobConfig:
     max_steps: int | None = None  # stop after this many optimiser steps (None: all epochs)
     lr: float = TrainConfig.lr
     warmup_steps: int | None = None  # None: warmup_ratio of the planned steps
-    warmup_ratio: float = 0.03
+    warmup_ratio: float = REFERENCE.warmup_ratio
     min_lr_ratio: float = TrainConfig.min_lr_ratio
     weight_decay: float = TrainConfig.weight_decay
     max_grad_norm: float = TrainConfig.max_grad_norm
-    tokens_per_batch: int = 8192  # real tokens per optimiser step, over all workers together
+    tokens_per_batch: int = REFERENCE.tokens_per_batch  # real tokens per optimiser step, over all workers together
     ttt_steps: int = DraftConfig.ttt_steps
     step_decay: float = TrainConfig.step_decay
     draft_vocab_size: int = DraftConfig.draft_vocab_size
