@@ -222,3 +222,16 @@ def test_a_draft_for_one_family_is_refused_by_another_with_every_mismatch(tmp_pa
         load_draft(tmp_path / "draft", target=gemma)
     message = str(refused.value)
     assert "hidden_size 96" in message and "vocab_size 300" in message and "6 layers" in message
+
+
+def test_llama4_temperature_tuning_is_refused_past_its_bound_and_exact_before_it():
+    """Llama 4's no-RoPE layers scale queries by the cache length once it reaches `floor_scale`; our ragged cache's
+    width is not a position, so the decoder refuses to go there (named), and is exact up to it."""
+    model = tiny_family_model("llama4")
+    model.config.floor_scale = 24  # the bound: 23 tokens (8191 with the real config)
+    for layer in model.model.layers:
+        layer.self_attn.floor_scale = 24
+    prompt = PROMPTS[0][:12]
+    assert generate(model, [prompt], max_new_tokens=10).tokens[0] == hf_greedy(model, prompt, 10)
+    with pytest.raises(UnsupportedTarget, match="Llama 4: attention temperature tuning"):
+        generate(model, [prompt], max_new_tokens=16)
