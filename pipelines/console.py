@@ -5,7 +5,8 @@ Ray, Ray Data, MLflow and transformers write INFO lines and warnings from the dr
 (file descriptors 1 and 2, so child processes and C++ logs follow) at `log`, and a thread echoes to the
 real terminal only the lines that carry one of the project's stage tags (`[extract] ...`, `[train] ...`),
 without Ray's `(RayTrainWorker pid=...)` prefix. `say` writes for the user: its lines reach the terminal
-through the log, in order with the stage lines.
+through the log, in order with the stage lines. `progress` is a tqdm bar drawn on the user's terminal directly
+(under quiet_terminal too), and only where that is a terminal: logs and captured output get no bars.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ TAGS = ("demo", "ingest", "extract", "train", "retrain", "serve", "distill", "ea
 _PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*\((?P<who>[^)]*)\)(\x1b\[[0-9;]*m)*\s*")
 _said: collections.deque = collections.deque()  # lines say() wrote to the log, not yet echoed
 _active = False
+_terminal = None  # the user's terminal while quiet_terminal points stdout and stderr at the log
 
 
 def say(text: str = "") -> None:
@@ -39,7 +41,7 @@ def tagged(line: str, tags=TAGS) -> str | None:
 
 @contextlib.contextmanager
 def quiet_terminal(log_path: str, tags=TAGS):
-    global _active
+    global _active, _terminal
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -77,6 +79,7 @@ def quiet_terminal(log_path: str, tags=TAGS):
 
     thread = threading.Thread(target=echo, daemon=True)
     _active = True
+    _terminal = terminal
     thread.start()
     try:
         yield terminal
@@ -90,6 +93,16 @@ def quiet_terminal(log_path: str, tags=TAGS):
         for fd in saved:
             os.close(fd)
         _active = False
+        _terminal = None
         _said.clear()
         terminal.close()
         log.close()
+
+
+def progress(total: int | None = None, desc: str = "", unit: str = "it", initial: int = 0):
+    """A tqdm progress bar on the user's terminal (the real one under quiet_terminal, else stderr); disabled
+    where that is not a terminal, so logs and captured output stay free of bar redraws."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=_terminal or sys.stderr, disable=None,
+                leave=True)

@@ -34,6 +34,7 @@ from eagle_core.ttt import (TrainConfig, load_train_state, make_optimizer, make_
                             train_step, ttt_forward)
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
 from eagle_core.recipe import REFERENCE
+from pipelines import console
 from pipelines.cli import config_from_fields, option
 from pipelines.train.model import warm_start
 
@@ -247,6 +248,7 @@ class Distiller:
         tracker = _Tracker(cfg, progress.run_id)
         progress.run_id = tracker.run_id
         progress.start()
+        bar = console.progress(total=cfg.steps, initial=progress.step, desc="[distill] steps", unit="step")
         while not progress.done(cfg):
             chunk = list(islice(messages, 32))
             if not chunk:
@@ -260,6 +262,8 @@ class Distiller:
                 progress.advance(metrics["tokens"])
                 metrics["tokens_per_cpu_s"] = progress.tokens_per_cpu_s()
                 tracker.log(metrics, progress.step)
+                bar.set_postfix_str(f"loss {metrics['loss']:.3f}", refresh=False)
+                bar.update(1)
                 if progress.step % 10 == 0:
                     accs = [round(metrics[f"acc_{k}"], 3) for k in range(cfg.ttt_steps)]
                     print(f"[distill] step {progress.step}/{cfg.steps} loss {metrics['loss']:.3f} acc {accs} "
@@ -270,6 +274,7 @@ class Distiller:
                     self.checkpoint(draft, opt, sched, progress, heldout, tracker, tcfg)
                 if done:
                     break
+        bar.close()
         if progress.saved_at != progress.step:  # stopped between checkpoints (corpus end)
             self.checkpoint(draft, opt, sched, progress, heldout, tracker, tcfg)
         tracker.close()

@@ -252,9 +252,17 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     print(f"[extract] {len(shards)} shards of <= {config.rows_per_shard} rows: {len(shards) - len(todo)} already "
           f"committed, {len(todo)} to do", flush=True)
     if todo:
+        from pipelines.console import progress
+
         ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-        for _ in _stages(ds, config, write=True).iter_rows():
-            pass  # each shard is committed by its actor; progress shows in Ray Data's bars
+        rows_done = tokens_done = 0
+        with progress(total=len(todo), desc="[extract] shards", unit="shard") as bar:
+            for item in _stages(ds, config, write=True).iter_rows():  # each shard is committed by its actor
+                summary = json.loads(item["summary_json"])
+                rows_done, tokens_done = rows_done + summary["rows"], tokens_done + summary["tokens"]
+                bar.set_postfix_str(f"{rows_done} rows, {tokens_done / max(bar.format_dict['elapsed'], 1e-9):.0f} "
+                                    "tokens/s", refresh=False)
+                bar.update(1)
 
     from transformers import AutoConfig
 
