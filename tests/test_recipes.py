@@ -342,3 +342,57 @@ def test_every_job_and_benchmark_option_has_help(monkeypatch):
         assert not bare, f"{name}: options without help: {bare}"
         checked.append(name)
     assert {"jobs.extract", "jobs.train", "jobs.distill", "jobs.retrain", "jobs.demo", "bench.serve"} <= set(checked)
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/recipes.md: its table is the files' values, its commands run (or parse, where they need a cluster)
+# --------------------------------------------------------------------------------------------------
+
+DOC = ROOT / "docs" / "recipes.md"
+
+
+def test_the_docs_table_shows_every_recipe_as_its_file_says():
+    rows = [line.split("|")[1:-1] for line in DOC.read_text().splitlines() if line.startswith("| `")]
+    shown = {}
+    for cells in rows:
+        cells = [c.strip() for c in cells]
+        shown[cells[0].strip("`")] = cells
+    assert set(shown) == set(shipped_recipes())
+    for name, cells in shown.items():
+        r = load_recipe(name)
+        vocab, lr, max_length, tokens, ttt, aux, gpus, tree = cells[2:10]
+        assert (int(vocab), float(lr), int(max_length), int(tokens), int(ttt), int(gpus)) == (
+            r.draft_vocab_size, r.lr, r.max_length, r.tokens_per_batch, r.ttt_steps, r.gpus_per_target), name
+        assert aux == ("default" if r.aux_layer_ids is None else ", ".join(map(str, r.aux_layer_ids))), name
+        assert tree == f"{r.tree.top_k}/{r.tree.depth}/{r.tree.total_tokens}", name
+
+
+def doc_commands() -> list[tuple[str, bool]]:
+    """(command, runs here) for every `python ...` line of the doc's code blocks; a block runs here when the text
+    before it says the test suite runs it, and is only parsed when that text says what it needs."""
+    parts = DOC.read_text().split("```")
+    out = []
+    for before, block in zip(parts[0::2], parts[1::2]):
+        runs = "(the test suite runs them)" in before.strip().splitlines()[-1]
+        needs = "(needs:" in before.strip().splitlines()[-1]
+        for line in block.strip().splitlines():
+            if line.startswith("python "):
+                assert runs or needs, f"a command that neither runs here nor says what it needs: {line}"
+                out.append((line, runs))
+    return out
+
+
+def test_every_docs_command_parses_and_the_local_ones_run():
+    import importlib
+    import shlex
+
+    commands = doc_commands()
+    assert sum(runs for _, runs in commands) == 3 and len(commands) == 5
+    for command, runs in commands:
+        argv = shlex.split(command)[1:]
+        module = importlib.import_module(argv[0].removesuffix(".py").replace("/", "."))
+        module.build_parser().parse_args(argv[1:])  # a flag the job does not have fails here
+        if runs:
+            done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, (command, done.stderr[-2000:])
+            assert "plan (dry run" in done.stdout, command
