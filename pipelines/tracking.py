@@ -7,8 +7,12 @@ beside it; any `MLFLOW_TRACKING_URI` (an `mlflow server`) is honoured instead.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def work_dir() -> Path:
@@ -94,3 +98,35 @@ def register_artifact(run_id: str, artifact_path: str, name: str, alias: str | N
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return int(version.version)
+
+
+def is_outage(err: BaseException) -> bool:
+    """An error that says the tracking server did not answer (refused, timed out, 5xx), not that the request
+    was wrong: worth retrying."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(err, (OSError, requests.exceptions.RequestException)):
+        return True
+    if isinstance(err, MlflowException):
+        code = getattr(err, "error_code", None)
+        return code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED") or (
+            code == "INTERNAL_ERROR" and "API request to" in str(err))
+    return False
+
+
+def retrying(fn, what: str, timeout_s: float = 900.0, max_backoff_s: float = 60.0):
+    """`fn()`, retried through a tracking-server outage (`is_outage`) for up to `timeout_s`, with a growing
+    pause; other errors, and the last outage error past the deadline, are raised."""
+    deadline, backoff = time.monotonic() + timeout_s, 1.0
+    while True:
+        try:
+            return fn()
+        except Exception as err:
+            if not is_outage(err) or time.monotonic() + backoff > deadline:
+                raise
+            log.warning("MLflow at %s unreachable while %s (%s); retrying in %.0f s", tracking_uri(), what,
+                        str(err)[:200], backoff)
+            print(f"[mlflow] unreachable while {what}; retrying in {backoff:.0f} s", flush=True)
+            time.sleep(backoff)
+            backoff = min(2 * backoff, max_backoff_s)

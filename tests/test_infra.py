@@ -563,3 +563,13 @@ def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only
         except subprocess.TimeoutExpired:
             pass
         kill_session(server.pid)
+
+
+def test_training_jobs_resume_from_their_last_checkpoint_when_a_worker_fails():
+    from pipelines.train import TrainJobConfig
+
+    assert TrainJobConfig(features="s3://x").max_failures > 0  # the jobs' default
+    _, train = _parsed("rayjob-train.yaml")
+    assert train.max_failures > 0 and train.resume
+    _, retrain = _parsed("rayjob-retrain.yaml")
+    assert TrainJobConfig(**{**retrain.train, "features": "s3://x"}).max_failures > 0

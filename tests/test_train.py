@@ -158,7 +158,7 @@ def test_killed_run_resumes_to_the_clean_result(features, clean, s3_endpoint, tm
     output = f"s3://eagle3/train-killed-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv(FAULT_ENV, "4")  # test-only hook (pipelines/train/faults.py), not a job option
     with pytest.raises(Exception):  # the worker dies and max_failures=0: the run fails
-        run_train(job(features, output))
+        run_train(job(features, output, max_failures=0))
     monkeypatch.delenv(FAULT_ENV)
     argv = ["--features", features, "--output", str(output), "--resume", "--epochs", "2", "--lr", "3e-3",
             "--warmup-steps", "2", "--tokens-per-batch", "160", "--ttt-steps", "3", "--draft-vocab-size", "256",
@@ -173,6 +173,21 @@ def test_killed_run_resumes_to_the_clean_result(features, clean, s3_endpoint, tm
     assert history(resumed["mlflow_run_id"], "loss") == history(clean["mlflow_run_id"], "loss")
     a, b = weights(clean), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_killed_worker_is_restarted_from_its_checkpoint_within_the_run(features, clean, tmp_path, monkeypatch):
+    """The jobs' default max_failures (> 0): the same SIGKILL after step 4 costs one restart from the step-3
+    checkpoint inside one run_train call, and the result equals the uninterrupted run's."""
+    from pipelines.train.faults import FAULT_ENV
+
+    assert job(features, tmp_path / "x").max_failures > 0
+    monkeypatch.setenv(FAULT_ENV, "4")
+    summary = run_train(job(features, tmp_path / "auto"))
+    assert summary["restored_from"] == [3] and summary["step"] == clean["step"]
+    a, b = weights(clean), weights(summary)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loss = history(summary["mlflow_run_id"], "loss")  # steps 4.. logged twice (before and after the restart)
+    assert len(loss) >= clean["total_steps"]
 
 
 def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peaked_target_dir):

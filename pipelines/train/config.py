@@ -47,7 +47,9 @@ class TrainJobConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     resume: bool = False
-    max_failures: int = 0  # worker failures Ray Train recovers from (restarting from the last checkpoint)
+    # worker failures Ray Train recovers from, each by restarting every worker from the last checkpoint: a node lost
+    # or a worker killed costs the steps since that checkpoint, not the run
+    max_failures: int = 3
     seed: int = 0
     log_every: int = 10  # progress lines on rank 0 (MLflow gets every step)
     run_name: str | None = None  # None: "train-<output folder name>"

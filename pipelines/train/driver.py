@@ -197,6 +197,8 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
     """Export the last checkpoint's draft (both layouts) to `<output>/draft` and `<output>/draft-speculators`
     (any fsspec URL: an object-store output is staged locally and uploaded), log it with the plots, register
     a version."""
+    from pipelines import tracking
+
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint: {result.error}")
     local = local_path(config.output)
@@ -213,8 +215,10 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
         summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
                    "checkpoint": _checkpoint_url(config, result.checkpoint.path), "draft": draft_url, "draft_speculators": spec_url,
                    "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
-        if run_id:
-            summary.update(_log_and_register(config, run_id, draft_dir, spec_dir, state["step"]))
+        if run_id:  # hours of training are not lost to a tracking server that blinks now: wait for it
+            summary.update(tracking.retrying(lambda: _log_and_register(config, run_id, draft_dir, spec_dir,
+                                                                       state["step"]),
+                                             f"logging and registering the draft of run {run_id}"))
     return summary
 
 

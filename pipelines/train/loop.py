@@ -65,6 +65,15 @@ def train_loop(loop_config: dict) -> None:
     """Set up (or restore), evaluate the untrained draft, then epochs of steps, each ending in an evaluation
     and a checkpoint; `max_steps` may stop the run early."""
     run = setup(loop_config)
+    try:
+        _train_epochs(run)
+    except BaseException:
+        run.mlflow.close(timeout_s=10.0)  # failing: Ray Train restarts the worker; do not hold it up
+        raise
+    run.mlflow.close()  # metrics queued during a tracking-server outage are sent before the worker ends
+
+
+def _train_epochs(run: "Run") -> None:
     if not run.restored and run.batches.baseline_eval:
         held_out_eval(run)  # the untrained draft: the baseline of the held-out curves, logged at step 0
     while run.state["epoch"] < run.config.epochs:

@@ -8,8 +8,10 @@ workers (level INFO, console handler) emits each logged line once.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -30,15 +32,31 @@ def log_held_out(step: int, metrics: dict, ttt_steps: int) -> None:
 
 
 class RankZeroLogger:
-    """Per-step metrics to the MLflow run, from rank 0 only (other ranks hold a no-op)."""
+    """Per-step metrics to the MLflow run, from rank 0 only (other ranks hold a no-op).
 
-    def __init__(self, tracking_uri: str | None, run_id: str | None, active: bool):
+    A tracking server that is down or slow never stalls or ends training: `log` only queues; a background thread
+    sends the queue in batches (MLflow's limit of 1000 metrics a call) and, when a send fails, keeps the batch and
+    retries it with a growing pause (1 s doubling to `max_backoff_s`), so metrics logged during an outage arrive,
+    in order, once the server is back. `close()` sends what is left, waiting up to `flush_timeout_s`. Beyond
+    `max_pending` queued metrics the oldest are dropped and counted (a bounded memory for a long outage)."""
+
+    BATCH = 1000
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, active: bool, flush_timeout_s: float = 900.0,
+                 max_backoff_s: float = 60.0, max_pending: int = 1_000_000):
         self.client = None
+        self.flush_timeout_s, self.max_backoff_s, self.max_pending = flush_timeout_s, max_backoff_s, max_pending
+        self.pending: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.closing, self.dropped, self.failures = False, 0, 0
+        self.sender: threading.Thread | None = None
         if active and run_id:
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
             from mlflow.tracking import MlflowClient
 
             self.client, self.run_id = MlflowClient(tracking_uri), run_id
+            self.sender = threading.Thread(target=self._send_loop, name="mlflow-metrics", daemon=True)
+            self.sender.start()
 
     def log(self, metrics: dict, step: int) -> None:
         if self.client is None:
@@ -46,7 +64,57 @@ class RankZeroLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        with self.cond:
+            self.pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+            while len(self.pending) > self.max_pending:
+                self.pending.popleft()
+                self.dropped += 1
+            self.cond.notify()
+
+    def _send_loop(self) -> None:
+        backoff = 1.0
+        while True:
+            with self.cond:
+                while not self.pending and not self.closing:
+                    self.cond.wait()
+                if not self.pending:
+                    return
+                batch = [self.pending[i] for i in range(min(self.BATCH, len(self.pending)))]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as err:  # noqa: BLE001 - an outage: keep the batch, retry later
+                self.failures += 1
+                if self.failures == 1 or self.failures % 10 == 0:
+                    log.warning("[train] MLflow unreachable (%s: %s); %d metrics queued, retrying in %.0f s",
+                                type(err).__name__, str(err)[:200], len(self.pending), backoff)
+                with self.cond:
+                    self.cond.wait(timeout=backoff)  # close() wakes it: the flush retries at once
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            if self.failures:
+                log.info("[train] MLflow reachable again; sending the queued metrics")
+                self.failures = 0
+            backoff = 1.0
+            sent = {id(m) for m in batch}
+            with self.cond:  # the batch is still at the left, unless `log` dropped some of it (max_pending)
+                while self.pending and id(self.pending[0]) in sent:
+                    self.pending.popleft()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send every queued metric, waiting up to `timeout_s` (default flush_timeout_s) for the server; report
+        what could not be sent."""
+        if self.sender is None:
+            return
+        timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+        self.sender.join(timeout=timeout_s)
+        lost = len(self.pending) + self.dropped
+        if lost:
+            log.error("[train] %d metrics were not sent to MLflow run %s (server unreachable for %.0f s)", lost,
+                      self.run_id, timeout_s)
+        self.sender = None
 
 
 def _history(client, run_id: str, key: str) -> tuple[list[int], list[float]]:
