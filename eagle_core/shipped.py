@@ -19,8 +19,10 @@ def shipped_draft(target: str = SMOLLM2_NAME) -> Path:
     """The folder of the draft shipped for `target`; FileNotFoundError when the project ships none."""
     name = SHIPPED.get(str(target))
     if name is None:
-        raise FileNotFoundError(f"no draft ships for target {target!r} (shipped: {sorted(SHIPPED)}); "
-                                f"train one with `python -m jobs.distill --target {target}`")
+        raise FileNotFoundError(f"no draft ships for target {target!r} (shipped: {sorted(SHIPPED)}); train one: "
+                                f"`python jobs/train.py --target {target} --corpus CORPUS --dry-run` plans it with the "
+                                "target's recipe (docs/recipes.md), the same line without --dry-run runs it on Ray; "
+                                f"`python -m jobs.distill --target {target}` trains a small target in one process")
     folder = DRAFTS_DIR / name
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is missing its config.json: the checkout is incomplete")

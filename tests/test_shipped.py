@@ -33,8 +33,10 @@ def test_every_engine_reads_the_shipped_draft_as_trained():
 
 
 def test_unknown_target_has_no_shipped_draft():
-    with pytest.raises(FileNotFoundError, match="no draft ships"):
+    with pytest.raises(FileNotFoundError, match="no draft ships") as refused:
         shipped_draft("meta-llama/Llama-3.1-8B-Instruct")
+    # the way to one: the Ray job with the target's recipe, planned first
+    assert "python jobs/train.py --target meta-llama/Llama-3.1-8B-Instruct --corpus CORPUS --dry-run" in str(refused.value)
 
 
 @pytest.mark.slow
