@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, ROOT, add_draft_training_args, command, write_json
+from bench.common import RESULTS, ROOT, add_draft_training_args, command, smollm2_recipe, write_json
 from pipelines.train import (
     TrainJobConfig,
     collate,
@@ -130,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def job_config(args, features: str, work: Path) -> TrainJobConfig:
     """The training job both setups run: `--steps` steps, one epoch, no mid-run checkpoints or step logs."""
     return TrainJobConfig(features=features, output=str(work / f"run-{int(time.time())}"), max_steps=args.steps,
-                          epochs=1, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
+                          epochs=1, lr=smollm2_recipe().lr, warmup_steps=2, tokens_per_batch=args.tokens_per_batch,
                           ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, eval_fraction=0.1,
                           checkpoint_every=10 ** 6, cpus_per_worker=float(args.threads),
                           mlflow_experiment="bench-train", registered_model_name=None, log_every=10 ** 6)

@@ -20,7 +20,7 @@ def write_corpus(path, n: int) -> str:
 
 def config(tmp_path, **kw) -> DistillConfig:
     base = dict(output=str(tmp_path / "out"), corpus=write_corpus(tmp_path / "corpus.jsonl", 40), max_length=128,
-                min_loss_tokens=4, tokens_per_batch=512, steps=1000, warmup_steps=1, ttt_steps=2,
+                min_loss_tokens=4, tokens_per_batch=512, steps=1000, lr=1e-3, warmup_steps=1, ttt_steps=2,
                 draft_vocab_size=256, vocab_conversations=40, heldout=2, checkpoint_every=1000, threads=1,
                 autocast="off", feature_dtype="float32", mlflow_experiment=None, regen_max_new_tokens=12)
     return DistillConfig(**{**base, **kw})
