@@ -25,10 +25,40 @@ from dataclasses import dataclass
 import torch
 
 from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, lm_logits, target_forward
-from eagle_core.tree import Tree, TreeConfig, chain_accept_length, draft_tree
+from eagle_core.lookup import ContextIndex
+from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
+                             graft_chain)
 from eagle_core.verify import SamplingConfig, accept, accept_on_path, sample_next, verify_hidden
 
 MODES = ("tree", "chain", "plain")
+CONTEXT = "context"  # the tree with its context chain (`TreeConfig.context_chain` > 0)
+
+
+def available_modes(tree: TreeConfig | None) -> tuple[str, ...]:
+    """The modes a batch decoded with `tree` can run: MODES, and "context" where the tree has a context chain."""
+    return MODES + (CONTEXT,) if tree is not None and tree.context_chain > 0 else MODES
+
+
+def context_tensor(proposals: list[list[int]], device) -> torch.Tensor | None:
+    """[B, L] of the rows' proposals, NO_TOKEN-padded to the longest; None when no row has one (nothing to
+    graft: the round verifies the tree alone and costs what a tree round costs)."""
+    width = max(map(len, proposals))
+    if not width:
+        return None
+    return torch.tensor([p + [NO_TOKEN] * (width - len(p)) for p in proposals], device=device)
+
+
+def context_yield(proposal: list[int], committed: list[int]) -> int:
+    """Tokens a round with the context chain would have committed where a round without it committed
+    `committed` (accepted + bonus): the same, or one more than the proposal's agreement with them, where the
+    chain agrees further (a lower bound when it agrees with every committed token: beyond them the target's
+    tokens are unknown)."""
+    agree = 0
+    for p, t in zip(proposal, committed):
+        if p != t:
+            break
+        agree += 1
+    return max(len(committed), agree + 1)
 
 
 def clock(device) -> float:
@@ -116,11 +146,15 @@ class RoundOutput:
 
 
 def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
-                       tree_config: TreeConfig, sampling: SamplingConfig, seeds, aux_layer_ids) -> RoundOutput:
-    """One round: draft a tree from the root, verify it in one target forward, keep the accepted path."""
+                       tree_config: TreeConfig, sampling: SamplingConfig, seeds, aux_layer_ids,
+                       context: torch.Tensor | None = None) -> RoundOutput:
+    """One round: draft a tree from the root (with the context chain `context` [B, L] grafted under it, if
+    given: `graft_chain`), verify it in one target forward, keep the accepted path."""
     device = root.device
     t0 = clock(device)
     tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
+    if context is not None:
+        tree = graft_chain(tree, context)
     t1 = clock(device)
     past_width, root_positions = kv.width, kv.lengths
     hidden, aux = verify_hidden(target, kv, tree, aux_layer_ids)  # [B, N, H], [B, N, 3H]
@@ -191,6 +225,8 @@ class DecodingState:
         self.root = root  # [B] last committed token, not yet in the target's cache
         self.draft_hidden = draft_hidden  # [B, 1, H] the draft's output paired with the root
         self.seeds = seeds  # the sampling seed of every row, None when greedy
+        # Every row's text (prompt + committed tokens) indexed for prompt lookup, where the tree has a context chain.
+        self.context: list[ContextIndex] | None = None
         # Plain steps defer the draft's cache update: their target features and tokens wait here
         # ([B, 1, 3H] and [B, 1] per step) until a tree/chain round needs the draft.
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -216,7 +252,10 @@ class DecodingState:
             dkv = DraftKV(len(prompts), device)
             draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
         state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seeds)
-        return state, Step("prefill", [[t] for t in root.tolist()], None, 0.0, clock(device) - t0)
+        first = root.tolist()
+        if draft is not None and tree is not None and tree.context_chain > 0:
+            state.context = [ContextIndex(p + [t]) for p, t in zip(prompts, first)]
+        return state, Step("prefill", [[t] for t in first], None, 0.0, clock(device) - t0)
 
     @property
     def device(self):
@@ -227,25 +266,48 @@ class DecodingState:
         return self.root.shape[0]
 
     def step(self, mode: str) -> Step:
-        """One round: "plain" (one target token), "tree" (`self.tree`) or "chain" (a chain of its depth)."""
+        """One round: "plain" (one target token), "tree" (`self.tree`'s draft tree), "context" (that tree with its
+        context chain grafted) or "chain" (a chain of its depth)."""
         if mode == "plain":
-            return self._plain_step()
-        tree = self.tree if mode == "tree" else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
+            return self._record_context(self._plain_step())
+        if mode == CONTEXT and self.context is None:
+            raise ValueError("mode 'context' needs a tree with context_chain > 0 (TreeConfig.context_chain)")
+        tree = self.tree if mode in ("tree", CONTEXT) else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
         t0 = clock(self.device)
         caught_up = self.catch_up_draft_()
+        # The rows' lookups (host only): grafted in a context round, and what a tree round's rows would have
+        # committed with them (`Step.also`).
+        proposals = None
+        if self.context is not None and mode in ("tree", CONTEXT):
+            proposals = [index.propose(self.tree.context_chain) for index in self.context]
+        grafted = context_tensor(proposals, self.device) if mode == CONTEXT else None
         catch_up_s = clock(self.device) - t0 if caught_up else 0.0
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
-                                 self.sampling, self.seeds, self.aux_layer_ids)
+                                 self.sampling, self.seeds, self.aux_layer_ids, grafted)
         self.root, self.draft_hidden = out.root, out.draft_hidden
         also = {"plain": self.batch_size}
-        if mode == "tree":  # fetched with the accept lengths: one device transfer per round
-            chain = chain_accept_length(out.tree, out.path, out.accept_length)
-            accept_lengths, chain_lengths = torch.stack([out.accept_length, chain]).tolist()
-            also["chain"] = self.batch_size + sum(chain_lengths)
-        else:
+        if mode == "chain":
             accept_lengths = out.accept_length.tolist()
+        else:  # the counterfactuals are fetched with the accept lengths: one device transfer per round
+            rows = [out.accept_length, chain_accept_length(out.tree, out.path, out.accept_length)]
+            if grafted is not None:
+                rows.append(draft_accept_length(out.tree, out.path, out.accept_length))
+            accept_lengths, chain_lengths, *tree_lengths = torch.stack(rows).tolist()
+            also["chain"] = self.batch_size + sum(chain_lengths)
+            if mode == CONTEXT:
+                also["tree"] = self.batch_size + sum(tree_lengths[0] if tree_lengths else accept_lengths)
         tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
-        return Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s, also)
+        if mode == "tree" and proposals is not None:
+            also[CONTEXT] = sum(context_yield(p, t) for p, t in zip(proposals, tokens))
+        step = Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s, also)
+        return self._record_context(step)
+
+    def _record_context(self, step: Step) -> Step:
+        """The committed tokens join every row's lookup text."""
+        if self.context is not None:
+            for index, tokens in zip(self.context, step.tokens):
+                index.extend(tokens)
+        return step
 
     def _plain_step(self) -> Step:
         """With a draft, the step's features are kept (deferred) so that trees can resume later."""
@@ -282,6 +344,8 @@ class DecodingState:
             self.draft_hidden = self.draft_hidden[idx]
         if self.seeds is not None:
             self.seeds = [self.seeds[i] for i in keep]
+        if self.context is not None:
+            self.context = [self.context[i] for i in keep]
 
     def merge_(self, other: "DecodingState") -> None:
         """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
@@ -294,3 +358,6 @@ class DecodingState:
         self.root = torch.cat([self.root, other.root])
         if self.seeds is not None:
             self.seeds = self.seeds + other.seeds
+        # both built from the same tree config (one lane's); a batch lacking its rows' texts cannot look up
+        self.context = self.context + other.context if self.context is not None and other.context is not None \
+            else None

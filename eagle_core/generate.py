@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_core.decoding import MODES, DecodingState, Step, clock
+from eagle_core.decoding import DecodingState, Step, available_modes, clock
 from eagle_core.policy import ModeChooser
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
@@ -31,7 +31,7 @@ class RequestStats:
     tau (mean accept length): tokens committed per target forward, bonus counted = mean(accept_length) + 1.
         The plain loop has tau = 1 by definition.
     acceptance_rate: accepted draft tokens / (rounds * depth): the fraction of the longest possible path.
-    modes: rounds per decoding mode ("tree", "chain", "plain").
+    modes: rounds per decoding mode ("tree", "context", "chain", "plain").
     draft_s / verify_s: wall time in the draft (tree + cache extension) and in the target's tree forward
         with acceptance and cache update; prefill_s: the prompt forward (target and draft).
     """
@@ -125,9 +125,11 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
-    TreeConfig()) in `mode`: "tree", "chain" (a chain of the tree's depth), "plain", or "auto" (the
+    TreeConfig()) in `mode`: "tree", "context" (the tree with a context chain of `tree.context_chain` prompt-lookup
+    tokens grafted beside it, `eagle_core.lookup`), "chain" (a chain of the tree's depth), "plain", or "auto" (the
     default): each round the mode with the best measured tokens/s at the current batch size
-    (`eagle_core.policy.ModeChooser`, plain included), so a draft that does not pay falls back to plain;
+    (`eagle_core.policy.ModeChooser`, plain included, "context" where the tree has a context chain), so a draft
+    or a context chain that does not pay falls back;
     pass the same `chooser` to successive calls so that what one call measured serves the next.
     temperature 0 is greedy; otherwise request i samples with seed `seed + i`, and its tokens are a
     function of (prompt, sampling settings, seed) alone: the same with or without a draft, in any mode,
@@ -142,11 +144,12 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     requests = [Request(len(p), max_new_tokens, eos, tuple(stop), tokenizer, tree.depth if draft else 0)
                 for p in input_ids]
-    if mode not in ("auto", *MODES):
-        raise ValueError(f"mode must be 'auto' or one of {MODES}, got {mode!r}")
+    modes = available_modes(tree)
+    if mode not in ("auto", *modes):
+        raise ValueError(f"mode must be 'auto' or one of {modes} (with {tree}), got {mode!r}")
     if draft is None:
         mode = "plain"
-    chooser = (chooser or ModeChooser()) if mode == "auto" else None
+    chooser = (chooser or ModeChooser(modes)) if mode == "auto" else None
 
     t_start = clock(device)
     state, step = DecodingState.prefill(target, draft, input_ids, SamplingConfig(temperature, top_p, top_k),

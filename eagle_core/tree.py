@@ -40,10 +40,15 @@ class TreeConfig:
     # auto-tuner measures both. Same tokens either way.
     path_logits: bool = field(default=False, metadata={
         "help": "target lm_head only along the accepted path (cheaper where multi-row heads cost more)"})
+    # The context chain (`eagle_core.lookup`): up to this many tokens of prompt lookup grafted under the root
+    # beside the draft's tree in the rounds of mode "context" (`graft_chain`); 0 = off. The auto-tune measures
+    # whether it pays and how long it should be; the auto policy then runs it only while it does.
+    context_chain: int = field(default=0, metadata={
+        "help": "context chain: prompt-lookup tokens verified beside the tree (mode 'context'); 0 = off"})
 
     def __post_init__(self):
-        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 1:
-            raise ValueError(f"TreeConfig needs positive top_k, depth, total_tokens: {self}")
+        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 1 or self.context_chain < 0:
+            raise ValueError(f"TreeConfig needs positive top_k, depth, total_tokens and context_chain >= 0: {self}")
 
     @property
     def num_candidates(self) -> int:
@@ -69,10 +74,25 @@ class Tree:
     ancestors: torch.Tensor  # [B, N, N] bool: ancestors[b, i, j] = j is i or an ancestor of i
     rank: torch.Tensor  # [B, N] 0 for the root, 1.. = place in the draft's score order
     score: torch.Tensor | None = None  # [B, N] cumulative draft log-prob (root 0)
+    # A grafted context chain (`graft_chain`): nodes [draft_size, N) are its slots, [0, draft_size) the draft's
+    # tree; `context` [B, L] the proposed chain tokens (NO_TOKEN-padded). None / no context: draft nodes only.
+    draft_size: int | None = None
+    context: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def is_draft(self) -> torch.Tensor | None:
+        """[N] bool, True for the draft tree's nodes (the root included); None when every node is one."""
+        if self.draft_size is None or self.draft_size == self.size:
+            return None
+        return torch.arange(self.size, device=self.tokens.device) < self.draft_size
+
+    def forward_tokens(self) -> torch.Tensor:
+        """The ids the target is fed: a NO_TOKEN slot carries id 0 (its logits are never read)."""
+        return self.tokens if self.draft_size is None else self.tokens.clamp(min=0)
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
@@ -101,11 +121,27 @@ def chain_accept_length(tree: Tree, path: torch.Tensor, accept_length: torch.Ten
     tree: the rerank dropped it, or its parent was not on a level's frontier). path: [B, W] accepted nodes,
     root first."""
     b, n = tree.parents.shape
+    draft_nodes = tree.is_draft
     best = torch.full((b, n), torch.iinfo(tree.rank.dtype).max, dtype=tree.rank.dtype, device=tree.rank.device)
     best = best.scatter_reduce(1, tree.parents[:, 1:], tree.rank[:, 1:], "amin")  # parent -> its best child's rank
     is_best = tree.rank == best.gather(1, tree.parents)  # [B, N]; the root (rank 0 vs >= 1) is not
+    if draft_nodes is not None:  # a chain drafts none of a context chain's slots
+        is_best &= draft_nodes
     steps = torch.arange(path.shape[1] - 1, device=path.device)[None, :]
     along = is_best.gather(1, path[:, 1:]) & (steps < accept_length[:, None])
+    return along.long().cumprod(dim=1).sum(dim=1)
+
+
+def draft_accept_length(tree: Tree, path: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+    """[B] draft tokens the draft's tree alone (no context chain) would have accepted in this round: the accepted
+    path's leading draft nodes. Exact: where the path leaves the draft's nodes for a chain slot under node u, the
+    slot carries the target's token at u, which none of u's draft children carries (`graft_chain` merges those),
+    so the tree alone stops at u."""
+    draft_nodes = tree.is_draft
+    if draft_nodes is None:
+        return accept_length
+    steps = torch.arange(path.shape[1] - 1, device=path.device)[None, :]
+    along = draft_nodes[path[:, 1:]] & (steps < accept_length[:, None])
     return along.long().cumprod(dim=1).sum(dim=1)
 
 
@@ -117,6 +153,53 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, rank: torch.T
     if rank is None:
         rank = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     return Tree(tokens=tokens, parents=parents, depth=depth, ancestors=anc, rank=rank, score=score)
+
+
+NO_TOKEN = -1  # a context chain slot left unused: never equal to a target token, so never accepted
+
+
+def graft_chain(tree: Tree, chain: torch.Tensor) -> Tree:
+    """The tree with a context chain grafted under every row's root: L more nodes, the draft's N first.
+
+    chain: [B, L] proposed continuation of the root, NO_TOKEN after a row's proposal ends (all of a row without
+    one). The chain is walked down the tree from the root: while the tree already holds the chain's next token
+    as a child of the node standing for the chain so far, that node stands for it and the slot stays unused
+    (NO_TOKEN, under the root); from the first token the tree lacks on, slot j is a new node carrying chain
+    token j under the node standing for token j - 1. So the chain's tokens form one root path at depths 1..L
+    (positions root + 1.., as decoding them one by one would give them: the verify forward, sliding windows
+    and the sampling noise of each depth hold for them unchanged), siblings still carry distinct tokens, and
+    acceptance -- a node is accepted iff its token is the target's (noisy) choice at its parent -- is exactly
+    today's: grafting only adds candidates, never changes which token is committed.
+    """
+    b, n = tree.tokens.shape
+    length = chain.shape[1]
+    device = tree.tokens.device
+    chain = chain.to(device)
+    index = torch.arange(n, device=device)[None, :]
+    below_root = index > 0  # the root is its own parent: never a child
+    cur = torch.zeros(b, dtype=torch.long, device=device)  # the node standing for the chain's tokens so far
+    parents, tokens = [], []
+    for j in range(length):
+        token = chain[:, j]
+        child = (tree.parents == cur[:, None]) & (tree.tokens == token[:, None]) & below_root  # [B, N], <= 1 each
+        found = child.any(dim=-1)
+        grafted = (token != NO_TOKEN) & ~found
+        parents.append(torch.where(grafted, cur, 0))
+        tokens.append(torch.where(grafted, token, NO_TOKEN))
+        cur = torch.where(found, child.long().argmax(dim=-1), torch.where(grafted, n + j, cur))
+    parents = torch.cat([tree.parents, torch.stack(parents, dim=1)], dim=1)  # [B, N+L]
+    anc = torch.zeros(b, n + length, n + length, dtype=torch.bool, device=device)
+    anc[:, :n, :n] = tree.ancestors
+    rows = torch.arange(b, device=device)
+    for j in range(length):  # a slot's parent precedes it: its ancestor row is complete
+        anc[:, n + j] = anc[rows, parents[:, n + j]]
+        anc[:, n + j, n + j] = True
+    rank = tree.rank.max(dim=1, keepdim=True).values + 1 + torch.arange(length, device=device)[None, :]
+    score = None if tree.score is None else torch.cat(
+        [tree.score, torch.full((b, length), float("-inf"), dtype=tree.score.dtype, device=device)], dim=1)
+    return Tree(tokens=torch.cat([tree.tokens, torch.stack(tokens, dim=1)], dim=1), parents=parents,
+                depth=anc.sum(-1) - 1, ancestors=anc, rank=torch.cat([tree.rank, rank], dim=1), score=score,
+                draft_size=n, context=chain)
 
 
 def _topk_logprobs(draft, out_hidden: torch.Tensor, k: int):

@@ -122,7 +122,7 @@ def verify_hidden(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | N
     The N entries are appended to `kv` at slots [P, P+N); `kv.keep_new_` must follow with the path.
     """
     position_ids = kv.lengths[:, None] + tree.depth  # [B, N]
-    return target_forward(target, kv, tree.tokens, position_ids, tree.ancestors, aux_layer_ids)
+    return target_forward(target, kv, tree.forward_tokens(), position_ids, tree.ancestors, aux_layer_ids)
 
 
 def verify_tree(target, kv: TargetKV, tree: Tree, aux_layer_ids: list[int] | None):
