@@ -151,8 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_dataclass_arguments(p, TreeConfig)  # --top-k, --depth, --total-tokens
     p.add_argument("--mode-policy", default=EngineConfig.mode_policy, choices=["auto", "static"],
                    help="of the `spec` variant")
-    p.add_argument("--tree-max-batch", type=int, default=None, help="largest batch decoded with trees (default: ServeConfig's)")
-    p.add_argument("--chain-max-batch", type=int, default=None, help="largest batch decoded with chains (default: ServeConfig's)")
+    p.add_argument("--tree-max-batch", type=int, default=None,
+                   help="largest batch decoded with trees (default: ServeConfig's)")
+    p.add_argument("--chain-max-batch", type=int, default=None,
+                   help="largest batch decoded with chains (default: ServeConfig's)")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="torch threads of the server")
     p.add_argument("--port", type=int, default=8123, help="HTTP port of the server under test")
     p.add_argument("--out", default=str(RESULTS / "serve.json"), help="result JSON file (and .md)")

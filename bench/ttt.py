@@ -296,7 +296,8 @@ def main(argv=None):
     p.add_argument("--device", default=default_device(), help="torch device")
     p.add_argument("--mem-limit-gib", type=float, default=12.0, help="per-run memory cap on CPU (0 = none)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per (implementation, length) run")
-    p.add_argument("--out", default=None, help="result JSON file (default: bench/results/ttt.json, or lm_head_init.json)")
+    p.add_argument("--out", default=None,
+                   help="result JSON file (default: bench/results/ttt.json, or lm_head_init.json)")
     p.add_argument("--lm-head-init", action="store_true", help="compare lm_head initialisations instead")
     add_draft_training_args(p, steps=200, max_length=128)
     p.add_argument("--n-train", type=int, default=6, help="--lm-head-init: training conversations")

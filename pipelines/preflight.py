@@ -187,20 +187,24 @@ class RunPlan:
     def lines(self) -> list[str]:
         tag = f"[{self.job}]"
         s = self.shape
-        rows = (f"{self.rows} rows, {self.tokens:,} tokens"
-                + ("" if self.count is None else
-                   f" ({self.count.read} records read; tokens {'counted' if self.count.exact else 'estimated from the first ' + str(self.count.sampled) + ' rows'}, cut at {self.recipe_max_length} each)"))
+        rows = f"{self.rows} rows, {self.tokens:,} tokens"
+        if self.count is not None:
+            how = "counted" if self.count.exact else f"estimated from the first {self.count.sampled} rows"
+            rows += f" ({self.count.read} records read; tokens {how}, cut at {self.recipe_max_length} each)"
         data = f"{tag} data: {self.corpus or 'features'}: {rows}" if self.has_data else f"{tag} data: none given"
+        size = ""
+        if self.has_data:
+            size = f" -> {human_bytes(self.feature_bytes)}" + (" (streamed: nothing stored)" if self.streaming
+                                                              else " on disk")
         out = [
             f"{tag} plan (dry run: nothing computed, nothing written)",
-            f"{tag} target: {self.target}: {s.model_type}, {s.parameters / 1e9:.2f}B parameters, hidden {s.hidden_size},"
-            f" {s.num_hidden_layers} layers, vocabulary {s.vocab_size} (config and meta-device model load: ok)",
+            f"{tag} target: {self.target}: {s.model_type}, {s.parameters / 1e9:.2f}B parameters, hidden "
+            f"{s.hidden_size}, {s.num_hidden_layers} layers, vocabulary {s.vocab_size} (config and meta-device model "
+            "load: ok)",
             f"{tag} recipe: {self.recipe.summary()}",
             f"{tag} recipe chosen: {self.recipe.why}; source: {self.recipe.source}",
             data,
-            f"{tag} features: {self.bytes_per_token:,} bytes per token (4 x {s.hidden_size} x {self.dtype})"
-            + (f" -> {human_bytes(self.feature_bytes)}" + (" (streamed: nothing stored)" if self.streaming else " on disk")
-               if self.has_data else ""),
+            f"{tag} features: {self.bytes_per_token:,} bytes per token (4 x {s.hidden_size} x {self.dtype}){size}",
             f"{tag} GPUs per target copy: {self.gpus_per_target} in force, {self.gpus_needed} needed by "
             f"{human_bytes(s.bf16_weight_bytes)} of bf16 weights on {self.gpu_memory_gib:g} GiB GPUs; "
             + (f"{self.target_copies} target copies" if self.count is not None or not self.has_data else

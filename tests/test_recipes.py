@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_core.recipe import (REFERENCE, Recipe, RecipeError, TargetShape, derive_recipe, gpus_for_weights,
+from eagle_core.recipe import (REFERENCE, RecipeError, TargetShape, derive_recipe, gpus_for_weights,
                                load_recipe, recipe_naming, resolve_recipe, shipped_recipes)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,7 +293,8 @@ def test_train_flags_override_the_recipe(capsys, monkeypatch):
     monkeypatch.setattr("pipelines.cluster.connect", lambda address: None)
     assert train.main(["--corpus", "sharegpt", "--target", "smollm2-135m", "--lr", "5e-4"]) == 0
     (config,) = seen
-    assert (config.lr, config.draft_vocab_size, config.tokens_per_batch, config.warmup_ratio) == (5e-4, 8192, 2048, 0.03)
+    assert (config.lr, config.draft_vocab_size, config.tokens_per_batch, config.warmup_ratio) == (
+        5e-4, 8192, 2048, 0.03)
     assert config.extract["max_length"] == 1024
 
 
