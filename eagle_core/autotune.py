@@ -24,6 +24,16 @@ the first D' levels do not depend on later levels, so a depth-D' tree of T nodes
 of the calibration tree's nodes at depth <= D' (a lower bound on its tau when fewer than T such nodes
 were kept), and `draft_cases` time the draft's tree building at every depth on a synthetic context.
 
+The context chain (`TreeConfig.context_chain`, prompt lookup grafted beside the tree) is a third knob, 0 = off.
+With candidate lengths given, the calibration decodes in mode "context" with the longest one, and every round
+says what every (depth, T, L) would have accepted: the chain's tokens always form one root path (`graft_chain`
+merges them into the tree or grafts them), so a chain of L tokens accepts min(L, m) where m is how far the
+longest one agreed with the committed tokens, and the round accepts the larger of that and the draft tree's
+own share of the path (`draft_accept_length`, exact). A round grafts nothing where the lookup found no match,
+so the verify widens by L only in the share of rounds that had one (measured in the same run):
+expected round time = draft + (1 - match) * verify(T + 1) + match * verify(T + 1 + L). L is kept only where
+this beats L = 0 on the calibration prompts, i.e. where it pays on text like them.
+
 All of these are timed together by `interleaved_ms`, round-robin, so the machine's drift lands on every case
 alike: the choice compares costs, and a burst that landed on one width used to pick a different tree.
 """
@@ -35,13 +45,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from eagle_core.decoding import clock, draft_extend, prefill
+from eagle_core.decoding import CONTEXT, clock, draft_extend, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV, lm_logits
-from eagle_core.tree import TreeConfig, tree_from_parents
+from eagle_core.tree import NO_TOKEN, TreeConfig, tree_from_parents
 from eagle_core.verify import verify_tree
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DEFAULT_CONTEXT_CHAINS = (0, 4, 8, 16)  # context chain lengths tried (0 = off)
 
 
 @dataclass
@@ -60,10 +71,21 @@ class AutotuneResult:
     mode: str = "tree"  # "plain" when no tree is expected to beat the plain loop
     head_ms: dict[int, float] = field(default_factory=dict)  # rows -> the lm_head alone (non-decreasing)
     path_logits: bool = False  # the head only along the accepted path (cheaper for the chosen shape)
+    # The context chain: the chosen length (0 = off); tau and expected tokens/s of the shapes with one, keyed
+    # "depth/total_tokens+length"; the share of calibration rounds whose lookup found a match.
+    context_chain: int = 0
+    context_tau: dict[str, float] = field(default_factory=dict)
+    context_expected_tokens_per_s: dict[str, float] = field(default_factory=dict)
+    context_match_rate: float = 0.0
 
     @property
     def tree(self) -> TreeConfig:
-        return TreeConfig(self.top_k, self.depth, self.total_tokens, path_logits=self.path_logits)
+        return TreeConfig(self.top_k, self.depth, self.total_tokens, path_logits=self.path_logits,
+                          context_chain=self.context_chain)
+
+    @property
+    def key(self) -> str:
+        return f"{self.depth}/{self.total_tokens}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,9 +93,12 @@ class AutotuneResult:
     def prime(self, chooser, rounds: int = 8) -> None:
         """Start an auto policy (`ModeChooser`, batch 1) from what this measured: the chosen tree's tau and
         expected round time, and a plain step's time, as `rounds` rounds each."""
-        key = f"{self.depth}/{self.total_tokens}"
-        tau = self.tau[key]
-        chooser.prime(1, "tree", tau, tau / self.expected_tokens_per_s[key], rounds)
+        tau = self.tau[self.key]
+        chooser.prime(1, "tree", tau, tau / self.expected_tokens_per_s[self.key], rounds)
+        if self.context_chain:
+            key = f"{self.key}+{self.context_chain}"
+            tau = self.context_tau[key]
+            chooser.prime(1, CONTEXT, tau, tau / self.context_expected_tokens_per_s[key], rounds)
         chooser.prime(1, "plain", 1.0, 1.0 / self.plain_tokens_per_s, rounds)
 
 
@@ -208,42 +233,66 @@ def interpolate(points: dict[int, float], x: float) -> float:
 
 @torch.inference_mode()
 def calibrate_acceptance(target, draft, prompts: list[list[int]], tree: TreeConfig, depths, sizes,
-                         max_new_tokens: int = 48, eos_token_id=None):
-    """tau(depth, T) for every depth in `depths` and T in `sizes`, from greedy decoding with `tree`."""
+                         max_new_tokens: int = 48, eos_token_id=None, context_chains=()):
+    """tau(depth, T) for every depth in `depths` and T in `sizes`, from greedy decoding with `tree`.
+
+    With `context_chains` (lengths; 0s ignored) it decodes in mode "context" with a chain of the longest and
+    adds tau(depth, T, L) for each length L, keyed (depth, T, L), and the share of row-rounds whose lookup found a
+    match, keyed "match"."""
+    chains = sorted({length for length in context_chains if length > 0})
     accepted = {(d, t): 0 for d in depths for t in sizes}
-    rounds = 0
+    accepted.update({(d, t, length): 0 for d in depths for t in sizes for length in chains})
+    rounds = matched = 0
 
     def on_round(out, _requests):
-        nonlocal rounds
-        depth = out.tree.depth[:, 1:]  # [B, N-1] kept nodes below the root
-        rank = out.tree.rank[:, 1:]
+        nonlocal rounds, matched
+        n = out.tree.draft_size or out.tree.size  # the draft's nodes; a grafted context chain's come after them
+        depth = out.tree.depth[:, 1:n]  # [B, N-1] kept draft nodes below the root
+        rank = out.tree.rank[:, 1:n]
         on_path = torch.zeros_like(depth, dtype=torch.bool)
         steps = torch.arange(out.path.shape[1], device=depth.device)[None, :]
-        valid = (steps >= 1) & (steps <= out.accept_length[:, None])
+        valid = (steps >= 1) & (steps <= out.accept_length[:, None]) & (out.path < n)
         rows = torch.arange(depth.shape[0], device=depth.device)[:, None].expand_as(out.path)
         on_path[rows[valid], out.path[valid] - 1] = True
+        agree = torch.zeros_like(out.accept_length)  # how far each row's context chain agreed with the target
+        if out.tree.context is not None:
+            proposal = out.tree.context
+            width = min(proposal.shape[1], out.tokens.shape[1])
+            same = (proposal[:, :width] == out.tokens[:, :width]) & (steps[:, :width] <= out.accept_length[:, None])
+            agree = same.long().cumprod(dim=1).sum(dim=1)
+            matched += int((proposal[:, 0] != NO_TOKEN).sum())
         for d in depths:
             shallow = depth <= d
             # rank among the nodes of depth <= d: a depth-d tree keeps the best of exactly those
             order = torch.where(shallow, rank, rank.max() + 1 + rank)
             sub_rank = order.argsort(dim=-1).argsort(dim=-1) + 1
             for t in sizes:
-                accepted[(d, t)] += int((on_path & shallow & (sub_rank <= t)).sum())
+                own = (on_path & shallow & (sub_rank <= t)).sum(dim=-1)  # [B] the draft tree's share
+                accepted[(d, t)] += int(own.sum())
+                for length in chains:  # the chain's tokens form one root path: it accepts min(length, agree)
+                    accepted[(d, t, length)] += int(torch.maximum(own, agree.clamp(max=length)).sum())
         rounds += depth.shape[0]
 
-    res = generate(target, prompts, draft=draft, tree=tree, mode="tree", max_new_tokens=max_new_tokens,
-                   eos_token_id=eos_token_id, on_round=on_round)
+    if chains:
+        tree = TreeConfig(tree.top_k, tree.depth, tree.total_tokens, tree.path_logits, context_chain=chains[-1])
+    res = generate(target, prompts, draft=draft, tree=tree, mode=CONTEXT if chains else "tree",
+                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, on_round=on_round)
     tau = {key: 1.0 + n / max(rounds, 1) for key, n in accepted.items()}
+    if chains:
+        tau["match"] = matched / max(rounds, 1)
     return tau, res
 
 
 def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.top_k, depth: int = TreeConfig.depth,
              sizes=DEFAULT_SIZES, depths=None, max_new_tokens: int = 48, context_tokens: int = 256,
-             eos_token_id=None) -> AutotuneResult:
-    """Measure, combine, choose (total_tokens and depth <= `depth`). `prompts` should look like the workload."""
+             eos_token_id=None, context_chains=DEFAULT_CONTEXT_CHAINS) -> AutotuneResult:
+    """Measure, combine, choose (total_tokens and depth <= `depth`, and a context chain length among
+    `context_chains`, 0 = off). `prompts` should look like the workload. `context_tokens`: the cache length the
+    forwards are timed on."""
     max_size = TreeConfig(top_k, depth, max(sizes)).size
     sizes = sorted({min(s, max_size) for s in sizes})
     depths = sorted(depths or range(1, depth + 1))
+    chains = sorted({length for length in context_chains if length > 0})
     t0 = time.perf_counter()
     widths = [1] + [s + 1 for s in sizes]  # verify forwards of a plain step and of every candidate size
     costs = timed(target.get_input_embeddings().weight.device, {
@@ -253,26 +302,40 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.to
     forward_ms, head_ms, draft_ms = costs["verify"], monotone(costs["head"]), costs["draft"]
     t1 = time.perf_counter()
     tau, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), depths, sizes,
-                                    max_new_tokens, eos_token_id)
+                                    max_new_tokens, eos_token_id, chains)
+    match = tau.pop("match", 0.0)
     t2 = time.perf_counter()
     smooth = monotone(forward_ms)
-    expected, path = {}, {}
+    expected, path = {}, {}  # (depth, size, chain length) -> tokens/s, and whether path logits are cheaper
     for d in depths:
         for s in sizes:
             if s > TreeConfig(top_k, d, s).num_candidates:
                 continue
-            cost = {p: round_ms(smooth, head_ms, draft_ms, d, s, tau[(d, s)], p) for p in (False, True)}
-            path[(d, s)] = cost[True] < cost[False]
-            expected[(d, s)] = 1000 * tau[(d, s)] / cost[path[(d, s)]]
-    best_depth, best_size = max(expected, key=expected.get)
+            for length in [0] + chains:
+                t = tau[(d, s, length) if length else (d, s)]
+                # a round grafts the chain only where the lookup matched: its verify is `length` tokens wider then
+                cost = {p: (1 - match) * round_ms(smooth, head_ms, draft_ms, d, s, t, p)
+                        + match * round_ms(smooth, head_ms, draft_ms, d, s + length, t, p) if length
+                        else round_ms(smooth, head_ms, draft_ms, d, s, t, p) for p in (False, True)}
+                path[(d, s, length)] = cost[True] < cost[False]
+                expected[(d, s, length)] = 1000 * t / cost[path[(d, s, length)]]
+    best_depth, best_size, best_chain = max(expected, key=expected.get)
     plain = 1000 / smooth[1]  # plain decoding is a candidate: a tree must beat it to be chosen
     calibration = dict(prompts=len(prompts), rounds=sum(s.rounds for s in res.stats),
                        new_tokens=sum(s.new_tokens for s in res.stats),
                        measure_seconds=round(t1 - t0, 1), calibration_seconds=round(t2 - t1, 1))
+    best = expected[(best_depth, best_size, best_chain)]
+
+    def named(values: dict, with_chain: bool) -> dict:
+        return {f"{k[0]}/{k[1]}" + (f"+{k[2]}" if with_chain else ""): v for k, v in values.items()
+                if (len(k) == 3 and k[2] > 0) == with_chain}
+
+    plain_expected = {k[:2]: v for k, v in expected.items() if k[2] == 0}
     return AutotuneResult(total_tokens=best_size, top_k=top_k, depth=best_depth, forward_ms=forward_ms,
                           forward_ms_monotone=smooth, context_tokens=context_tokens, draft_ms=draft_ms,
-                          tau={f"{d}/{s}": v for (d, s), v in tau.items()},
-                          expected_tokens_per_s={f"{d}/{s}": v for (d, s), v in expected.items()},
+                          tau=named(tau, False), expected_tokens_per_s=named(plain_expected, False),
                           calibration=calibration, plain_tokens_per_s=plain,
-                          mode="tree" if expected[(best_depth, best_size)] > plain else "plain",
-                          head_ms=head_ms, path_logits=path[(best_depth, best_size)])
+                          mode=("plain" if best <= plain else CONTEXT if best_chain else "tree"),
+                          head_ms=head_ms, path_logits=path[(best_depth, best_size, best_chain)],
+                          context_chain=best_chain, context_tau=named(tau, True),
+                          context_expected_tokens_per_s=named(expected, True), context_match_rate=match)
