@@ -224,3 +224,102 @@ def test_the_head_is_timed_on_packed_inputs(damped):
         handle.remove()
     assert [x.shape[1] for x in seen] == [1, 3, 8]
     assert all(x.stride() == torch.empty(x.shape).stride() for x in seen)
+
+
+# ---- context chains (prompt lookup grafted beside the tree: mode "context") --------------------------------------
+
+CONTEXT_CONFIGS = [TreeConfig(4, 4, 16, context_chain=6), TreeConfig(1, 3, 3, context_chain=8),
+                   TreeConfig(2, 3, 5, context_chain=1)]
+
+
+@pytest.fixture(scope="module")
+def echo_prompts():
+    """Prompts that repeat spans of themselves (ragged lengths): lookups match from the first round on."""
+    return [p + p[: 4 + i % 5] for i, p in enumerate(random_prompts(10, 512, seed=7))]
+
+
+def context_rounds(counter: list):
+    """on_round: counts, per round, the rows whose accepted path entered the context chain's own slots."""
+    def on_round(out, _):
+        if out.tree.draft_size is not None:
+            steps = torch.arange(out.path.shape[1])[None, :]
+            in_chain = (out.path >= out.tree.draft_size) & (steps <= out.accept_length[:, None])
+            counter.append(int(in_chain.any(dim=1).sum()))
+    return on_round
+
+
+@pytest.mark.parametrize("config", CONTEXT_CONFIGS, ids=str)
+@pytest.mark.parametrize("which", ["random", "echo"])
+def test_context_chain_greedy_is_lossless(target, damped, echo_prompts, config, which):
+    """Greedy with a grafted context chain == plain greedy, and the chain's own nodes were accepted."""
+    model = target if which == "random" else damped
+    draft = random_draft(model, 300) if which == "random" else echo_draft(model)
+    plain = generate(model, echo_prompts, max_new_tokens=24).tokens
+    counter = []
+    spec = generate(model, echo_prompts, draft=draft, tree=config, mode="context", max_new_tokens=24,
+                    on_round=context_rounds(counter))
+    assert spec.tokens == plain
+    if which == "echo" and config.context_chain > 1:  # a 1-token chain is mostly the tree's own best child
+        assert sum(counter) >= 5 and max(s.tau for s in spec.stats) > 2
+
+
+@pytest.mark.parametrize("config", CONTEXT_CONFIGS[:2], ids=str)
+def test_context_chain_seeded_sampling_equals_plain_sampling(damped, echo_prompts, config):
+    draft = echo_draft(damped)
+    kw = dict(max_new_tokens=24, temperature=0.2, top_p=0.95, top_k=40, seed=5)
+    plain = generate(damped, echo_prompts, **kw).tokens
+    counter = []
+    spec = generate(damped, echo_prompts, draft=draft, tree=config, mode="context", on_round=context_rounds(counter),
+                    **kw)
+    assert spec.tokens == plain and sum(counter) >= 5
+    alone = generate(damped, echo_prompts[3:4], draft=draft, tree=config, mode="context", **{**kw, "seed": 8})
+    assert alone.tokens[0] == plain[3]
+
+
+def test_context_chain_batch_equals_one_by_one(damped, echo_prompts):
+    config = CONTEXT_CONFIGS[0]
+    draft = echo_draft(damped)
+    batch = generate(damped, echo_prompts, draft=draft, tree=config, mode="context", max_new_tokens=20)
+    for p, got, stats in zip(echo_prompts, batch.tokens, batch.stats):
+        alone = generate(damped, [p], draft=draft, tree=config, mode="context", max_new_tokens=20)
+        assert alone.tokens[0] == got
+        assert alone.stats[0].accept_lengths == stats.accept_lengths  # the chain's width is per batch, not per row
+    assert len({tuple(s.accept_lengths) for s in batch.stats}) > 1
+
+
+def _misplaced(graft):
+    """A graft whose chain slots sit one position too far (depth + 1): their logits are not the path's."""
+    def wrong(tree, chain):
+        g = graft(tree, chain)
+        g.depth = g.depth + (torch.arange(g.size) >= g.draft_size).long()
+        return g
+    return wrong
+
+
+def _blind(graft):
+    """A graft whose chain slots see only the root and themselves, not the chain tokens before them."""
+    def wrong(tree, chain):
+        g = graft(tree, chain)
+        chain_slots = torch.arange(g.size) >= g.draft_size
+        g.ancestors = g.ancestors & ~(chain_slots[None, :, None] & chain_slots[None, None, :]) | torch.eye(g.size, dtype=torch.bool)
+        return g
+    return wrong
+
+
+@pytest.mark.parametrize("wrong", [_misplaced, _blind], ids=["positions", "mask"])
+def test_a_wrong_graft_fails_the_lossless_test(damped, echo_prompts, monkeypatch, wrong):
+    """The context tests above can fail: chain slots at the wrong positions, or blind to the chain before them,
+    change the committed tokens."""
+    import eagle_core.decoding as decoding
+
+    monkeypatch.setattr(decoding, "graft_chain", wrong(decoding.graft_chain))
+    plain = generate(damped, echo_prompts, max_new_tokens=24).tokens
+    spec = generate(damped, echo_prompts, draft=echo_draft(damped), tree=CONTEXT_CONFIGS[1], mode="context",
+                    max_new_tokens=24)
+    assert spec.tokens != plain
+
+
+def test_context_mode_needs_a_context_chain(damped):
+    with pytest.raises(ValueError, match="mode must be"):
+        generate(damped, [[1, 2, 3]], draft=echo_draft(damped), tree=TreeConfig(2, 2, 3), mode="context",
+                 max_new_tokens=2)

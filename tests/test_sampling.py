@@ -14,13 +14,16 @@ import torch
 from scipy.stats import chisquare
 
 import eagle_core.verify as verify
-from decode_helpers import echo_draft, single_thread  # noqa: F401 (autouse fixture)
+from decode_helpers import echo_draft, random_draft, single_thread  # noqa: F401 (autouse fixture)
 from eagle_core.generate import generate
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig, target_probs
 
 VOCAB, N, PROMPT = 12, 3000, [3, 7, 1, 9, 4]
+# The target mostly repeats its last token; after a first 7 the prompt lookup proposes 7s (a run of them ends the
+# prompt), which the chain's own slots carry wherever the (random) draft's tree did not propose them
+LOOKUP_PROMPT = [3, 1, 9, 4, 7, 7, 7, 7]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +35,10 @@ def target():
 
 
 @torch.inference_mode()
-def exact_joint(target, sampling: SamplingConfig) -> torch.Tensor:
+def exact_joint(target, sampling: SamplingConfig, prompt=PROMPT) -> torch.Tensor:
     """p(x1, x2, x3 | prompt) over VOCAB^3, by enumerating prefixes."""
     def next_probs(prefixes):
-        logits = target(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        logits = target(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
         return target_probs(logits, sampling).double()
 
     p1 = next_probs([()])[0]  # [V]
@@ -45,10 +48,11 @@ def exact_joint(target, sampling: SamplingConfig) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_counts(target, sampling: SamplingConfig, seed: int) -> tuple[torch.Tensor, list]:
-    res = generate(target, [PROMPT] * N, draft=echo_draft(target), tree=TreeConfig(3, 3, 8), mode="tree",
-                   max_new_tokens=3,
-                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+def sampled_counts(target, sampling: SamplingConfig, seed: int, prompt=PROMPT, tree=TreeConfig(3, 3, 8), mode="tree",
+                   on_round=None, draft=None) -> tuple[torch.Tensor, list]:
+    res = generate(target, [prompt] * N, draft=draft or echo_draft(target), tree=tree, mode=mode, max_new_tokens=3,
+                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
+                   on_round=on_round)
     index = torch.tensor([(a * VOCAB + b) * VOCAB + c for a, b, c in res.tokens])
     return torch.bincount(index, minlength=VOCAB ** 3).double(), res.stats
 
@@ -89,3 +93,37 @@ def test_plain_sampling_matches_the_target_distribution(target):
     index = torch.tensor([(a * VOCAB + b) * VOCAB + c for a, b, c in res.tokens])
     counts = torch.bincount(index, minlength=VOCAB ** 3).double()
     assert chi_square_pvalue(counts, exact_joint(target, sampling)) > 1e-3
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact", "wrong-positions"])
+def test_context_chain_sampling_matches_the_target_distribution(target, monkeypatch, wrong):
+    """The tree with a grafted context chain (mode "context", a prompt whose lookup matches): the joint of the first
+    three tokens is the target's, with the chain's own slots accepted in many rounds; the same test fails when
+    the chain's slots sit one position too far (their logits and their noise are then another position's)."""
+    import eagle_core.decoding as decoding
+
+    if wrong:
+        graft = decoding.graft_chain
+
+        def misplaced(tree, chain):
+            g = graft(tree, chain)
+            g.depth = g.depth + (torch.arange(g.size) >= g.draft_size).long()
+            return g
+
+        monkeypatch.setattr(decoding, "graft_chain", misplaced)
+    sampling = SAMPLINGS[1]
+    in_chain = []
+
+    def on_round(out, _):
+        if out.tree.draft_size is not None:
+            steps = torch.arange(out.path.shape[1])[None, :]
+            hit = (out.path >= out.tree.draft_size) & (steps <= out.accept_length[:, None])
+            in_chain.append(int(hit.any(dim=1).sum()))
+
+    counts, stats = sampled_counts(target, sampling, 3, LOOKUP_PROMPT, TreeConfig(2, 2, 3, context_chain=4),
+                                   "context", on_round, random_draft(target, VOCAB))
+    pvalue = chi_square_pvalue(counts, exact_joint(target, sampling, LOOKUP_PROMPT))
+    if wrong:
+        assert pvalue < 1e-6
+    else:
+        assert sum(in_chain) > N // 20 and pvalue > 1e-3

@@ -234,3 +234,72 @@ def test_path_logits_accept_exactly_what_logits_on_every_node_accept(temperature
     assert max(n for _, lengths, _ in every for n in lengths) >= 2  # walks of several levels were exercised
     assert path_rows < every_rows
     hook.remove()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
+def test_grafted_chain_logits_equal_plain_forward_of_each_path(target, family):
+    """A context chain grafted beside a random tree (merged into it in one row, under the root in another, absent in
+    the third), on a ragged batch cache: every node, chain slots included, scores as its root path decoded alone.
+    The chains run past the sliding window (8) of the windowed families: their slots must sit at their path
+    positions, or the windows would cut the wrong keys."""
+    from family_helpers import tiny_family_model
+    from eagle_core.tree import NO_TOKEN, graft_chain
+
+    model = target if family == "llama" else tiny_family_model(family, dtype=torch.float64)
+    vocab = model.config.vocab_size
+    prompts = random_prompts(3, vocab, lo=10, hi=20, seed=8)
+    kv = TargetKV(3, "cpu")
+    prefill(model, kv, prompts, None)
+    parents, tokens = random_tree(3, 8, vocab, seed=9)
+    first = tokens[0, 1].item()  # row 0's chain starts with the root's first child: merged there
+    chain = torch.tensor([[first, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+                          [4] + list(range(20, 29)),
+                          [NO_TOKEN] * 10])
+    tokens[1, 1:][parents[1, 1:] == 0] = 3  # no root child of row 1 carries its chain's first token (4)
+    tree = graft_chain(tree_from_parents(tokens, parents), chain)
+    logits, _ = verify_tree(model, kv, tree, None)
+    for b in range(3):
+        for node in range(tree.size):
+            if tree.tokens[b, node] == NO_TOKEN:
+                continue
+            seq = prompts[b] + tree.tokens[b, path_to(tree.parents[b].tolist(), node)].tolist()
+            ref = model(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits[b, node], ref.to(logits.dtype), rtol=0, atol=1e-9)
+    assert tree.depth[0].max() == 10 and tree.depth[1].max() == 10
+
+
+@torch.inference_mode()
+def test_greedy_accepts_a_planted_context_chain_and_the_cache_keeps_exactly_it(target):
+    """The greedy continuation as the context chain beside a random tree (whose nodes never agree with the target):
+    accepted to its planted length through the chain's own slots; the cache then equals a prefill of the path."""
+    from eagle_core.tree import NO_TOKEN, graft_chain
+
+    prompts = random_prompts(3, 512, seed=4)
+    greedy = generate(target, prompts, max_new_tokens=10).tokens
+    plant = [6, 0, 3]
+    parents, tokens = random_tree(3, 6, 512, seed=5)
+    chain = torch.full((3, 6), NO_TOKEN)
+    for b in range(3):
+        tokens[b, 0] = greedy[b][0]
+        for i in range(1, 6):  # no tree node agrees with the target
+            while tokens[b, i].item() in greedy[b][:8]:
+                tokens[b, i] = (tokens[b, i] + 1) % 512
+        chain[b, :plant[b]] = torch.tensor(greedy[b][1: plant[b] + 1])
+        if plant[b] < 6:
+            chain[b, plant[b]] = (greedy[b][plant[b] + 1] + 1) % 512  # the chain goes wrong after the plant
+    tree = graft_chain(tree_from_parents(tokens, parents), chain)
+    kv = TargetKV(3, "cpu")
+    prefill(target, kv, prompts, None)
+    past_width = kv.width
+    logits, _ = verify_tree(target, kv, tree, None)
+    acc = accept_greedy(tree, logits)
+    assert acc.accept_length.tolist() == plant
+    assert [acc.bonus[b].item() for b in range(3)] == [greedy[b][plant[b] + 1] for b in range(3)]
+    kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
+    for b in range(3):
+        seq = prompts[b] + greedy[b][: plant[b] + 1]
+        ref = TargetKV(1, "cpu")
+        prefill(target, ref, [seq], None)
+        for layer, ref_layer in zip(kv.cache.layers, ref.cache.layers):
+            torch.testing.assert_close(layer.keys[b, :, : len(seq)], ref_layer.keys[0], rtol=0, atol=1e-9)
