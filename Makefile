@@ -80,5 +80,14 @@ SMOKE_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-smoke:
 	$(SMOKE_PYTHON) tools/gpu_smoke.py
 
+# GPU benchmark (bench/gpu.py: 8B-shaped random-weight targets, verify/plain/draft costs, extraction, TTT steps;
+# under 10 minutes on one GPU, result in bench/results/gpu.json and gpu.md; docs/gpu-benchmark.md). Like gpu-smoke
+# it needs only torch + transformers and runs with the .venv's python when one exists, else python3.
+#   make gpu-bench [SMOKE_PYTHON=/path/to/python] [GPU_BENCH_ARGS=--tiny]
+.PHONY: gpu-bench
+GPU_BENCH_ARGS ?=
+gpu-bench:
+	$(SMOKE_PYTHON) -m bench.gpu $(GPU_BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info
