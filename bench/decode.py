@@ -9,7 +9,8 @@ Methods, in each dtype of `--dtypes` (default: float32, plus bfloat16 where the 
 speculative one, no draft); ours with a chain draft (top_k=1); ours with the EAGLE-2 dynamic tree whose
 size is auto-tuned on this machine and dtype first (on calibration prompts outside the measured ones), with
 the lm_head on every node or on the accepted path as the auto-tune chose, and the same tree with the other
-choice ("tree_other_head": what the choice buys); ours with the auto policy (`generate(mode="auto")`: per
+choice ("tree_other_head": what the choice buys); the same tree with the context chain (prompt lookup grafted
+beside it, mode "context"; "tree_context": the auto-tuned chain length, else --lookup-tokens); ours with the auto policy (`generate(mode="auto")`: per
 round the measured-fastest of tree, chain and plain).
 Reports per method: tau (tokens per target forward, bonus counted), tokens/s, speed-up over HF greedy
 float32 (what transformers gives by default) and over our plain loop of the same dtype, achieved memory
@@ -43,7 +44,7 @@ from eagle_core.target import NAMED_TARGETS, SMOLLM2_NAME, cpu_has_native_bf16, 
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "auto")
+METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "tree_context", "auto")
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 COST_WIDTHS = (1, 2, 4, 8, 16, 32)
 COST_CONTEXT = 300  # cache length of the cost table (tokens)
@@ -91,6 +92,8 @@ class Runner:
         draft = None if method == "plain" else self.draft
         tree, mode = {"plain": (None, "plain"), "chain": (self.chain, "tree"), "tree": (self.tree, "tree"),
                       "tree_other_head": (replace(self.tree, path_logits=not self.tree.path_logits), "tree"),
+                      "tree_context": (replace(self.tree, context_chain=self.tree.context_chain or self.lookup_tokens),
+                                       "context"),
                       "auto": (self.tree, "auto")}[method]
         res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, chooser=self.chooser,
                        max_new_tokens=max_new_tokens, eos_token_id=self.eos)
@@ -137,7 +140,7 @@ def summarize(label: str, runs: list[dict], reference: list[dict], target_bytes:
         out["tau"] = speculative_tau(runs) if method != "plain" else 1.0
         out["target_forwards"] = rounds + len(runs)  # rounds + one prefill per prompt
         draft_rounds = sum(r["draft_rounds"] for r in runs)
-        out["modes"] = {m: sum(r["modes"].get(m, 0) for r in runs) for m in ("tree", "chain", "plain")}
+        out["modes"] = {m: sum(r["modes"].get(m, 0) for r in runs) for m in ("tree", "context", "chain", "plain")}
         out["draft_s"] = round(sum(r["draft_s"] for r in runs), 2)
         out["verify_s"] = round(sum(r["verify_s"] for r in runs), 2)
         other = seconds - sum(r["prefill_s"] + r["draft_s"] + r["verify_s"] for r in runs)
@@ -171,7 +174,7 @@ def by_category(runs: dict[str, list[dict]], categories: list[str]) -> dict[str,
 
 def category_markdown(table: dict[str, dict[str, dict]]) -> list[str]:
     first = next(iter(table.values()))
-    labels = [label for label in first if label.split()[0] in ("tree", "auto")]
+    labels = [label for label in first if label.split()[0] in ("tree", "tree_context", "auto")]
     if not labels or "hf_greedy fp32" not in first:
         return []
     lines = ["Per category (speed-up over HF greedy fp32 on the same prompts):", "",
@@ -255,13 +258,13 @@ def markdown(summary: list[dict], meta: dict, categories: dict | None = None, co
              f"template), greedy, max_new_tokens {meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
              f"Trees (auto-tuned per dtype): {meta['trees']}, chain: {meta['chain']}. {meta['note']}.", "",
              "| method | tau | tokens/s | vs HF greedy fp32 | vs our plain (same dtype) | GB/s | "
-             "identical to HF greedy (same dtype) | agreement | rounds tree/chain/plain |",
+             "identical to HF greedy (same dtype) | agreement | rounds tree/context/chain/plain |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary:
         tau = f"{s['tau']:.2f}" if "tau" in s else "n/a"
         bw = f"{s['bandwidth_GBps']:.2f}" if "bandwidth_GBps" in s else "n/a"
         ratio = lambda x: f"{x:.2f}x" if x is not None else "n/a"  # noqa: E731
-        modes = "/".join(str(s["modes"][m]) for m in ("tree", "chain", "plain")) if "modes" in s else ""
+        modes = "/".join(str(s["modes"].get(m, 0)) for m in ("tree", "context", "chain", "plain")) if "modes" in s else ""
         lines.append(f"| {s['method']} | {tau} | {s['tokens_per_s']:.2f} | {ratio(s['speedup_vs_hf_greedy'])} | "
                      f"{ratio(s['speedup_vs_plain'])} | {bw} | {s['identical_to_hf_greedy']} | "
                      f"{s['agreement_with_hf_greedy']:.3f} | {modes} |")
@@ -386,7 +389,7 @@ def summaries(runs: dict[str, list], variants: dict) -> list[dict]:
         tag = label.split()[1]
         reference = runs.get(f"hf_greedy {tag}") or runs.get(f"plain {tag}") or runs[label]
         depth = {"chain": runner.chain.depth, "tree": runner.tree.depth, "tree_other_head": runner.tree.depth,
-                 "auto": runner.tree.depth}.get(method, 0)
+                 "tree_context": runner.tree.depth, "auto": runner.tree.depth}.get(method, 0)
         summary.append(summarize(label, runs[label], reference, param_bytes(runner.model),
                                  draft_step_bytes(runner.draft), depth))
     base = {s["method"]: s["tokens_per_s"] for s in summary}

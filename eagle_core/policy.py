@@ -4,6 +4,12 @@ Speculation pays only when tokens per round outweigh what a round costs over a p
 depend on things known only at run time: the draft and the workload (tau), the hardware and dtype (the
 cost of a B x (total_tokens+1) verification over a B-token step). So plain decoding is always a
 candidate, and the policy measures instead of predicting.
+
+The context chain (`TreeConfig.context_chain`: prompt lookup grafted beside the tree) is weighed the same way: where
+the tree has one, "context" (the tree with its chain) is one more mode (`decoding.available_modes`), charged its own
+rounds' cost (the wider verify, where the lookup matched) and credited on every tree or context round with what it
+would have committed (`Step.also`: a context round says what the tree alone accepted, a tree round what the chain
+would have added), so the chain runs only while it pays on the text at hand: on copying text, not on chat.
 """
 
 from __future__ import annotations

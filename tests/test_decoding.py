@@ -49,24 +49,30 @@ def damped():
 SAMPLINGS = [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, top_k=50)]
 
 
+@pytest.mark.parametrize("context", [0, 5], ids=["no-context", "context-chain"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 @torch.inference_mode()
-def test_mixed_modes_select_and_merge_equal_plain(damped, sampling):
-    """Rows decoded with a different mode every round, some leaving and a new group joining mid-way."""
+def test_mixed_modes_select_and_merge_equal_plain(damped, sampling, context):
+    """Rows decoded with a different mode every round, some leaving and a new group joining mid-way; with a
+    context chain, "context" rounds too (the rows' lookup texts follow them through plain rounds, leaving and
+    joining)."""
     prompts = random_prompts(5, 512, seed=5)
+    config = TreeConfig(3, 4, 10, context_chain=context)
     plain = generate(damped, prompts, max_new_tokens=40, temperature=sampling.temperature, top_p=sampling.top_p,
                      top_k=sampling.top_k, seed=100).tokens  # row i samples with seed 100 + i
     draft = echo_draft(damped)
-    state, step = DecodingState.prefill(damped, draft, prompts[:3], sampling, TreeConfig(3, 4, 10), [100, 101, 102])
+    state, step = DecodingState.prefill(damped, draft, prompts[:3], sampling, config, [100, 101, 102])
     rows = [0, 1, 2]
     out = {i: list(t) for i, t in zip(rows, step.tokens)}
     modes = ["tree", "plain", "plain", "chain", "plain", "tree", "tree", "chain"] * 4
+    if context:
+        modes = ["context", "plain", "plain", "context", "tree", "context", "chain", "context"] * 4
     for r, mode in enumerate(modes):
         if r == 2:  # row 1 leaves
             state.select_rows_([0, 2])
             rows = [0, 2]
         if r == 3:  # two new requests join (after deferred plain steps of the old rows)
-            new, first = DecodingState.prefill(damped, draft, prompts[3:], sampling, TreeConfig(3, 4, 10), [103, 104])
+            new, first = DecodingState.prefill(damped, draft, prompts[3:], sampling, config, [103, 104])
             state.merge_(new)
             rows += [3, 4]
             out.update({i: list(t) for i, t in zip([3, 4], first.tokens)})
@@ -76,6 +82,9 @@ def test_mixed_modes_select_and_merge_equal_plain(damped, sampling):
     for i, tokens in out.items():
         n = min(len(tokens), len(plain[i]))
         assert tokens[:n] == plain[i][:n] and n >= (20 if i != 1 else 2)
+    if context:  # each row's lookup text is its prompt and everything it committed, in its own row
+        texts = {i: p + out[i] for i, p in enumerate(prompts)}
+        assert [index.tokens for index in state.context] == [texts[i] for i in rows]
 
 
 def test_decoding_under_no_grad_grows_its_caches_and_equals_plain(damped):
@@ -171,3 +180,35 @@ def test_a_tree_round_says_what_a_chain_would_have_accepted(damped, sampling):
             assert tree_step.committed > chain_step.committed > len(prompts)
         else:
             assert tree_step.also["chain"] <= chain_step.committed
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.1, top_k=50)],
+                         ids=["greedy", "sampled"])  # cold: lookups match the damped target's repetitions
+@torch.inference_mode()
+def test_tree_and_context_rounds_say_what_the_other_would_have_committed(damped, sampling):
+    """`Step.also` between "tree" and "context" (the auto policy weighs the context chain with it): from the same
+    state, a tree round commits exactly what a context round says the tree alone would have; a context round
+    commits at least what a tree round says it would have, exactly where the chain disagreed within the tree
+    round's tokens."""
+    prompts = [p + p[:5] for p in random_prompts(12, 512, seed=13)]
+    seeds = list(range(300, 312))
+    draft = echo_draft(damped)
+    with torch.no_grad():  # a noisy head: the tree alone misses often, so the chain adds something
+        head = draft.get_parameter("lm_head.weight")
+        head.add_(2 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(1), dtype=head.dtype))
+    config = TreeConfig(3, 3, 6, context_chain=6)
+    compared = 0
+    for warm in range(4):  # rounds from a few different states
+        steps = {}
+        for mode in ("tree", "context"):
+            state, _ = DecodingState.prefill(damped, draft, prompts, sampling, config, seeds)
+            for _ in range(warm):
+                state.step("plain")
+            steps[mode] = state.step(mode)
+        tree_step, context_step = steps["tree"], steps["context"]
+        assert context_step.also["tree"] == tree_step.committed
+        assert context_step.committed >= tree_step.also["context"] >= tree_step.committed
+        if context_step.round.tree.draft_size is not None:
+            compared += 1
+    assert compared >= 2
+    assert context_step.committed > tree_step.committed  # the chain added tokens somewhere

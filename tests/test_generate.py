@@ -115,7 +115,8 @@ def test_autotune_choice_and_calibration(damped, prompts):
 
     draft = echo_draft(damped)
     res = autotune(damped, draft, prompts[:3], top_k=3, depth=4, sizes=(1, 4, 8, 16), max_new_tokens=16,
-                   context_tokens=32)
+                   context_tokens=32, context_chains=(0,))  # the tree's knobs alone (the context chain: below)
+    assert res.context_chain == 0 and not res.context_tau
     best = max(res.expected_tokens_per_s, key=res.expected_tokens_per_s.get)
     assert best == f"{res.depth}/{res.total_tokens}"
     tau, run = calibrate_acceptance(damped, draft, prompts[:3], TreeConfig(3, 4, 16), [1, 4], [1, 16],
@@ -323,3 +324,37 @@ def test_context_mode_needs_a_context_chain(damped):
     with pytest.raises(ValueError, match="mode must be"):
         generate(damped, [[1, 2, 3]], draft=echo_draft(damped), tree=TreeConfig(2, 2, 3), mode="context",
                  max_new_tokens=2)
+
+
+def test_autotune_weighs_the_context_chain_as_a_knob(damped, echo_prompts):
+    """With context chain lengths to try, the auto-tune's estimate for each (depth, size, length) is its calibrated
+    tau over the round time with the verify widened by the length in the share of rounds whose lookup matched;
+    the choice maximises over shapes with and without a chain, and the tree it returns carries the length. The
+    calibration's tau for the longest chain on the calibration tree is what that run achieved, and a longer chain
+    never accepts less. Priming a policy from it primes the context mode too."""
+    from eagle_core.autotune import autotune, calibrate_acceptance, round_ms
+    from eagle_core.policy import ModeChooser
+
+    draft = echo_draft(damped)
+    res = autotune(damped, draft, echo_prompts[:3], top_k=3, depth=3, sizes=(1, 4, 8), max_new_tokens=16,
+                   context_tokens=32, context_chains=(0, 2, 6))
+    both = {**res.expected_tokens_per_s, **res.context_expected_tokens_per_s}
+    best = max(both, key=both.get)
+    assert best == res.key + (f"+{res.context_chain}" if res.context_chain else "")
+    assert res.tree.context_chain == res.context_chain and 0 < res.context_match_rate <= 1
+    assert res.context_chain > 0  # these prompts repeat themselves: the chain pays here
+    d, s, c = res.depth, res.total_tokens, res.context_chain
+    tau, match = res.context_tau[best], res.context_match_rate
+    cost = ((1 - match) * round_ms(res.forward_ms_monotone, res.head_ms, res.draft_ms, d, s, tau, res.path_logits)
+            + match * round_ms(res.forward_ms_monotone, res.head_ms, res.draft_ms, d, s + c, tau, res.path_logits))
+    assert both[best] == pytest.approx(1000 * tau / cost)
+
+    tau, run = calibrate_acceptance(damped, draft, echo_prompts[:3], TreeConfig(3, 3, 8), [1, 3], [1, 8],
+                                    max_new_tokens=16, context_chains=[2, 6])
+    achieved = sum(sum(s.accept_lengths) for s in run.stats) / sum(s.rounds for s in run.stats) + 1
+    assert set().union(*(s.modes for s in run.stats)) == {"context"}
+    assert tau[(3, 8, 6)] == pytest.approx(achieved)
+    assert tau[(3, 8)] <= tau[(3, 8, 2)] <= tau[(3, 8, 6)] and tau[(3, 8)] < tau[(3, 8, 6)]
+    chooser = ModeChooser(("tree", "context", "plain"))
+    res.prime(chooser)
+    assert chooser.rate(1, "context") == pytest.approx(res.context_expected_tokens_per_s[best])

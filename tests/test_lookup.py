@@ -128,3 +128,16 @@ def test_tree_config_takes_a_context_chain(length):
     assert TreeConfig(4, 4, 8, context_chain=length).context_chain == length
     with pytest.raises(ValueError):
         TreeConfig(4, 4, 8, context_chain=-1)
+
+
+def test_a_chain_never_counts_a_context_slot_as_the_drafts_best_child():
+    """`chain_accept_length` on a grafted tree: a chain slot hanging under a leaf of the draft's tree is that leaf's
+    only child, yet no draft chain would have proposed it."""
+    from eagle_core.tree import chain_accept_length
+
+    tree = tree_from_parents(torch.tensor([[9, 20, 21, 30, 31, 32]]), torch.tensor([[0, 0, 0, 1, 1, 3]]))
+    g = graft_chain(tree, torch.tensor([[20, 30, 32, 40]]))  # merged down to leaf 5, then slot 9 under it
+    assert g.parents[0, 9].item() == 5 and g.tokens[0, 9].item() == 40
+    path, accepted = torch.tensor([[0, 1, 3, 5, 9]]), torch.tensor([4])
+    assert chain_accept_length(g, path, accepted).tolist() == [3]
+    assert draft_accept_length(g, path, accepted).tolist() == [3]
