@@ -65,6 +65,7 @@ def test_tiny_run_writes_a_self_describing_result_from_its_own_timings(tmp_path)
         assert all(close(d["verify_over_transformers"][w], d["verify"]["ms"][w] / d["transformers_forward"]["ms"][w])
                    for w in widths)
         p = d["plain"]
+        assert all(close(d["verify"]["over_plain_step"][w], d["verify"]["ms"][w] / p["our_step_ms"]) for w in widths)
         assert close(p["transformers_forward_ms"], d["transformers_forward"]["ms"]["1"])
         assert close(p["ours_over_transformers"], p["our_step_ms"] / p["transformers_forward_ms"])
         depth = d["draft"]["depth_ms"]
