@@ -116,18 +116,23 @@ class _Tokenizer:
         return "".join(f"<{t}>" for t in tokens)
 
 
+@pytest.mark.parametrize("context", [0, 6], ids=["no-context", "context-chain"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
-def test_engine_auto_modes_and_admission_equal_plain(damped, sampling):
-    """The engine without Ray: auto policy (every mode measured), requests arriving while others decode;
-    three extra copies of the first request (same seed) get its tokens whatever their rounds' modes."""
+def test_engine_auto_modes_and_admission_equal_plain(damped, sampling, context):
+    """The engine without Ray: auto policy (every mode measured, "context" too where the tree has a context chain),
+    requests arriving while others decode (ragged rows, each with its own lookup text); three extra copies of the
+    first request (same seed) get its tokens whatever their rounds' modes."""
     from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
 
     prompts = random_prompts(6, 512, seed=9)
+    if context:  # prompts that repeat a span of themselves: lookups match
+        prompts = [p + p[: 3 + i] for i, p in enumerate(prompts)]
     plain = generate(damped, prompts, max_new_tokens=16, temperature=sampling.temperature, top_p=sampling.top_p,
                      top_k=sampling.top_k, seed=100).tokens
     prompts, plain, seeds = prompts + prompts[:1] * 3, plain + plain[:1] * 3, list(range(100, 106)) + [100] * 3
     engine = Engine(damped, _Tokenizer(), echo_draft(damped),
-                    EngineConfig(TreeConfig(3, 4, 10), max_batch_size=4, max_waiting=8, explore_every=2))
+                    EngineConfig(TreeConfig(3, 4, 10, context_chain=context), max_batch_size=4, max_waiting=8,
+                                 explore_every=2))
     done, finished = {}, threading.Semaphore(0)
 
     def on_event(i):
@@ -149,7 +154,7 @@ def test_engine_auto_modes_and_admission_equal_plain(damped, sampling):
         assert done[i].kind == "done", done[i].text
         assert done[i].token_ids == plain[i]
         modes |= {m for m, n in done[i].stats.modes.items() if n}
-    assert modes == {"tree", "chain", "plain"}
+    assert modes == {"tree", "chain", "plain"} | ({"context"} if context else set())
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.1, top_k=50)],
@@ -212,3 +217,11 @@ def test_tree_and_context_rounds_say_what_the_other_would_have_committed(damped,
             compared += 1
     assert compared >= 2
     assert context_step.committed > tree_step.committed  # the chain added tokens somewhere
+
+
+def test_the_engines_static_policy_runs_the_context_chain_where_it_runs_trees():
+    from pipelines.serve.engine import EngineConfig, choose_mode
+
+    with_chain = EngineConfig(TreeConfig(3, 4, 10, context_chain=8), tree_max_batch=2, chain_max_batch=4)
+    assert [choose_mode(b, with_chain, True) for b in (1, 2, 3, 5)] == ["context", "context", "chain", "plain"]
+    assert choose_mode(1, EngineConfig(TreeConfig(3, 4, 10)), True) == "tree"

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from eagle_core.decoding import MODES, DecodingState, Step
+from eagle_core.decoding import CONTEXT, DecodingState, Step, available_modes
 from eagle_core.generate import Request, RequestStats
 from eagle_core.policy import ModeChooser
 from eagle_core.tree import TreeConfig
@@ -90,10 +90,13 @@ class EngineConfig:
 
 
 def choose_mode(batch_rows: int, config: EngineConfig, has_draft: bool) -> str:
-    """The static policy: full trees up to tree_max_batch rows, chains up to chain_max_batch, plain above."""
+    """The static policy: full trees (with their context chain, if any) up to tree_max_batch rows, chains up to
+    chain_max_batch, plain above."""
     if not has_draft or batch_rows > config.chain_max_batch:
         return "plain"
-    return "tree" if batch_rows <= config.tree_max_batch else "chain"
+    if batch_rows > config.tree_max_batch:
+        return "chain"
+    return CONTEXT if config.tree.context_chain else "tree"
 
 
 # ---- text: incremental detokenisation and stop strings -----------------------------------------------------
@@ -235,7 +238,9 @@ class Engine:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if eos is not None else set()
         self.lanes: dict[tuple, Lane] = {}
-        self.chooser = ModeChooser(MODES if draft is not None else ("plain",), config.explore_every) \
+        # with a context chain in the tree, "context" rounds are one more mode to measure (`available_modes`)
+        self.chooser = ModeChooser(available_modes(config.tree) if draft is not None else ("plain",),
+                                   config.explore_every) \
             if config.mode_policy == "auto" else None
         self.waiting: deque[GenerationRequest] = deque()
         self.admitting = 0  # taken from `waiting`, being prefilled: still counts against the capacity
