@@ -78,8 +78,9 @@ TTT_TARGET = "llama3.1-8b"  # the draft whose training step is measured
 DEFAULTS = dict(widths=(1, 2, 4, 8, 16, 32, 48, 64), context_tokens=1024, repeats=15, top_k=10, depth=7,
                 draft_vocab_size=32000, ttt_steps=7, ttt_lengths=(2048, 4096, 8192), train_steps=3,
                 extract_batch=4, extract_tokens=2048, extract_repeats=3, budget_s=540.0)
-TINY = dict(DEFAULTS, widths=(1, 4, 16, 64), context_tokens=64, repeats=2, draft_vocab_size=256, ttt_lengths=(32, 64, 128), train_steps=2,
-            extract_batch=2, extract_tokens=64, extract_repeats=2, budget_s=120.0)
+TINY = dict(DEFAULTS, widths=(1, 4, 16, 64), context_tokens=64, repeats=2, draft_vocab_size=256,
+            ttt_lengths=(32, 64, 128), train_steps=2, extract_batch=2, extract_tokens=64, extract_repeats=2,
+            budget_s=120.0)
 
 
 # ---- time budget and failures ---------------------------------------------------------------------------------
@@ -408,8 +409,9 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"# GPU benchmark{' (tiny shapes)' if result['tiny'] else ''}", "",
              f"`{result['command']}` on {m.get('gpu', m['line'])} ({m['device']}), {result['date']}; torch "
-             f"{m['torch']} (CUDA {m['cuda']}), transformers {m['transformers']}. Random-weight bf16 targets of the "
-             f"published shapes; {result['elapsed_s']:.0f} s of a {result['budget_s']:.0f} s budget.", ""]
+             f"{m['torch']} (CUDA {m['cuda']}), transformers {m['transformers']}. Random-weight bf16 targets of "
+             f"{'tiny' if result['tiny'] else 'the published'} shapes; {result['elapsed_s']:.0f} s of a "
+             f"{result['budget_s']:.0f} s budget.", ""]
     for name, t in result["targets"].items():
         s = t.get("shape", {})
         lines += [f"## {name}", ""]
