@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an earlier extraction output (same target and settings) whose committed shards are copied "
                         "instead of recomputed; repeatable")
     p.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment ('' = no tracking)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --output made by another target or other settings (refused otherwise, naming "
+                        "the differing fields)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     add_plan_options(p)
     defer_to_recipe(p, RECIPE_OPTIONS)

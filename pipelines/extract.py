@@ -29,6 +29,7 @@ from pipelines.feature_files import (
     SHARD_META_KEY,
     FeatureManifest,
     ShardEntry,
+    check_fingerprint,
     committed_shards,
     feature_table,
     read_shard_summary,
@@ -64,6 +65,9 @@ class ExtractConfig:
     # (features and regenerated conversations) instead of being computed again. Retraining at growing data
     # scales uses it: shard k of a prefix of the corpus is shard k of the whole.
     reuse_from: list[str] = field(default_factory=list)
+    # An output made by other inputs or settings (its fingerprint differs) is refused, naming the differing fields;
+    # overwrite=True deletes its shards, regenerated conversations and manifest first.
+    overwrite: bool = False
 
     def __post_init__(self):
         from pipelines.regenerate import parse_regenerate_with
@@ -91,8 +95,60 @@ def plan_shards(rows: list[dict], rows_per_shard: int) -> list[dict]:
     ]
 
 
-def reuse_shards(config: ExtractConfig, names: list[str]) -> list[str]:
-    """Copy planned shards committed in `config.reuse_from` outputs into this output; returns their names."""
+# --------------------------------------------------------------------------------------------------
+# Fingerprints: an output, each of its shards and its manifest record what made them
+# --------------------------------------------------------------------------------------------------
+
+FINGERPRINT_FILE = "fingerprint.json"
+
+
+def extraction_fingerprint(config: ExtractConfig, target_config, device: str) -> dict:
+    """What determines a shard's bytes besides its rows (whose ids its name hashes): the target's weights, its
+    tokenizer and chat template, max_length, the hidden states' dtype on `device`, the aux layers, the
+    regeneration settings and the corpus. Not `limit`: a shard of a prefix is the same shard of the whole."""
+    from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids, resolve_dtype, weights_fingerprint
+    from pipelines.feature_files import tokenizer_fingerprint
+
+    return {
+        "target_weights_hash": weights_fingerprint(config.target),
+        "tokenizer_hash": tokenizer_fingerprint(materialize_hf_folder(config.target)),
+        "max_length": config.max_length,
+        "dtype": DTYPE_NAMES[resolve_dtype(config.dtype, device)],
+        "aux_layer_ids": list(resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)),
+        "regeneration": {"with": config.regenerate_with, "max_new_tokens": config.max_new_tokens,
+                         "temperature": config.temperature, "seed": config.seed} if config.regenerate else None,
+        "corpus": config.corpus,
+    }
+
+
+def prepare_output(config: ExtractConfig, fingerprint: dict) -> None:
+    """Refuse an output that another run made differently (its fingerprint file, its manifest, any committed
+    shard), naming the differing fields; with `overwrite`, empty it instead. Then record this run's fingerprint
+    before any shard is written, so a run killed early is checked too."""
+    fs, root = url_to_fs(config.output)
+    if config.overwrite:
+        for part in ("features", "regenerated", "quarantine", "manifest.json", FINGERPRINT_FILE):
+            if fs.exists(f"{root}/{part}"):
+                fs.rm(f"{root}/{part}", recursive=True)
+    else:
+        remedy = "Extract into another --output, or pass --overwrite to replace what is there."
+        if exists(join(config.output, FINGERPRINT_FILE)):
+            check_fingerprint(json.loads(read_bytes(join(config.output, FINGERPRINT_FILE))), fingerprint,
+                              f"the extraction output {config.output}", remedy)
+        if exists(join(config.output, "manifest.json")):
+            from pipelines.feature_files import load_manifest
+
+            check_fingerprint(load_manifest(config.output).fingerprint, fingerprint,
+                              f"the extraction output {config.output} (its manifest)", remedy)
+        for name in sorted(committed_shards(config.output)):
+            summary = read_shard_summary(join(config.output, "features", f"{name}.parquet"))
+            check_fingerprint(summary.get("fingerprint"), fingerprint, f"shard {name} of {config.output}", remedy)
+    commit_bytes(join(config.output, FINGERPRINT_FILE), json.dumps(fingerprint, indent=1).encode())
+
+
+def reuse_shards(config: ExtractConfig, names: list[str], fingerprint: dict | None = None) -> list[str]:
+    """Copy planned shards committed in `config.reuse_from` outputs into this output; returns their names. A
+    shard made differently (its recorded fingerprint differs from `fingerprint`) is refused, naming the fields."""
     done = committed_shards(config.output)
     reused = []
     for source in config.reuse_from:
@@ -100,6 +156,10 @@ def reuse_shards(config: ExtractConfig, names: list[str]) -> list[str]:
         for name in names:
             if name not in available:
                 continue
+            if fingerprint is not None:
+                summary = read_shard_summary(join(source, "features", f"{name}.parquet"))
+                check_fingerprint(summary.get("fingerprint"), fingerprint, f"shard {name} of {source} (reuse_from)",
+                                  f"Drop {source} from reuse_from, or re-extract it with this run's settings.")
             regenerated = join(source, "regenerated", f"{name}.jsonl")
             if config.regenerate and exists(regenerated):
                 commit_bytes(join(config.output, "regenerated", f"{name}.jsonl"), read_bytes(regenerated))
@@ -119,14 +179,14 @@ class Extractor:
     committed Parquet shard (returns its summary), or feature rows (streaming). Regeneration and extraction share
     the actor's model: no second pool of target copies idling while the other works."""
 
-    def __init__(self, config: dict, write: bool = True):
+    def __init__(self, config: dict, write: bool = True, fingerprint: dict | None = None):
         from eagle_core.target import default_device, device_map_for, load_target, resolve_aux_layer_ids
         from pipelines.cluster import use_assigned_cpus
         from pipelines.regenerate import OpenAIReplies, parse_regenerate_with
 
         use_assigned_cpus()
         self.config = ExtractConfig(**config)
-        self.write = write
+        self.write, self.fingerprint = write, fingerprint  # recorded in every shard this actor commits
         # An actor given several GPUs holds one target copy spread over them (a target larger than one GPU).
         device_map = device_map_for(self.config.gpus_per_worker or 0)
         self.model, self.tokenizer = load_target(self.config.target, device=default_device(), dtype=self.config.dtype,
@@ -193,6 +253,7 @@ class Extractor:
             "loss_tokens": sum(int(f.loss_mask.sum()) for f in features), "seconds": seconds,
             "quarantined": dict(Counter(quarantined.values())), "quarantined_ids": quarantined,
             "token_counts": {str(k): v for k, v in sorted(counts.items())}, "dtype": DTYPE_NAMES[dtype],
+            "fingerprint": self.fingerprint,
         }
 
 
@@ -209,10 +270,11 @@ def _actor_resources(config: ExtractConfig) -> dict:
     return {"num_gpus": gpus, "num_cpus": config.cpus_per_worker}
 
 
-def _stages(ds, config: ExtractConfig, write: bool):
+def _stages(ds, config: ExtractConfig, write: bool, fingerprint: dict | None = None):
     from ray.data import ActorPoolStrategy
 
-    return ds.map_batches(Extractor, fn_constructor_kwargs={"config": config.to_dict(), "write": write},
+    return ds.map_batches(Extractor, fn_constructor_kwargs={"config": config.to_dict(), "write": write,
+                                                            "fingerprint": fingerprint},
                           batch_size=1, compute=ActorPoolStrategy(size=config.num_workers), **_actor_resources(config))
 
 
@@ -236,17 +298,22 @@ def stream_features(config: ExtractConfig):
 def run_extract(config: ExtractConfig) -> FeatureManifest:
     """Run (or resume) an extraction; returns the manifest (also written to `<output>/manifest.json`)."""
     import ray
+    from transformers import AutoConfig
 
-    from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids, weights_fingerprint
+    from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids
 
     started = time.perf_counter()
+    target_config = AutoConfig.from_pretrained(materialize_hf_folder(config.target))
+    device = "cuda" if _actor_resources(config)["num_gpus"] else "cpu"
+    fingerprint = extraction_fingerprint(config, target_config, device)
+    prepare_output(config, fingerprint)  # refuses an output made differently (or empties it: overwrite)
     ingested, rows = _ingest_rows(config)
     print(f"[extract] {ingested.stats.summary()}", flush=True)
     if ingested.stats.quarantined:
         quarantine_lines = [json.dumps(q, ensure_ascii=False) for q in ingested.quarantine.take_all()]
         commit_bytes(join(config.output, "quarantine", "ingest.jsonl"), ("\n".join(quarantine_lines) + "\n").encode())
     shards = plan_shards(rows, config.rows_per_shard)
-    reused = reuse_shards(config, [s["shard"] for s in shards])
+    reused = reuse_shards(config, [s["shard"] for s in shards], fingerprint)
     done = committed_shards(config.output)
     todo = [s for s in shards if s["shard"] not in done]
     print(f"[extract] {len(shards)} shards of <= {config.rows_per_shard} rows: {len(shards) - len(todo)} already "
@@ -257,19 +324,17 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
         ds = ray.data.from_items(todo, override_num_blocks=len(todo))
         rows_done = tokens_done = 0
         with progress(total=len(todo), desc="[extract] shards", unit="shard") as bar:
-            for item in _stages(ds, config, write=True).iter_rows():  # each shard is committed by its actor
+            for item in _stages(ds, config, write=True, fingerprint=fingerprint).iter_rows():  # committed by its actor
                 summary = json.loads(item["summary_json"])
                 rows_done, tokens_done = rows_done + summary["rows"], tokens_done + summary["tokens"]
                 bar.set_postfix_str(f"{rows_done} rows, {tokens_done / max(bar.format_dict['elapsed'], 1e-9):.0f} "
                                     "tokens/s", refresh=False)
                 bar.update(1)
 
-    from transformers import AutoConfig
-
-    target_config = AutoConfig.from_pretrained(materialize_hf_folder(config.target))
     aux_layer_ids = resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)
     manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
-                              ingested.stats.to_dict(), weights_fingerprint(config.target))
+                              ingested.stats.to_dict(), fingerprint["target_weights_hash"])
+    manifest.fingerprint = fingerprint
     manifest.seconds = time.perf_counter() - started
     manifest.reused_shards = reused
     if config.mlflow_experiment:

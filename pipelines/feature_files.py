@@ -19,6 +19,7 @@ tokens, loss-token counts, quarantines) lives in its Parquet metadata, so a comm
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -87,6 +88,7 @@ class FeatureManifest:
     seconds: float | None = None
     reused_shards: list[str] = field(default_factory=list)
     mlflow_run_id: str | None = None
+    fingerprint: dict | None = None  # what made the shards (`extraction_fingerprint`); None: written before it existed
 
     def __post_init__(self):
         if self.schema_version != SCHEMA_VERSION:
@@ -146,6 +148,44 @@ def load_manifest(output: str) -> FeatureManifest:
 
 def write_manifest(output: str, manifest: FeatureManifest) -> None:
     commit_bytes(join(output, "manifest.json"), json.dumps(manifest.to_json(), indent=1).encode())
+
+
+# --------------------------------------------------------------------------------------------------
+# Fingerprints: what made an output, compared before anything is resumed or reused
+# --------------------------------------------------------------------------------------------------
+
+class FingerprintMismatch(ValueError):
+    """An existing output (or a shard to reuse) was made by other inputs or settings than this run's."""
+
+
+def tokenizer_fingerprint(folder) -> str:
+    """A hash of the tokenizer files and the chat template of an HF folder (the token ids and the loss mask
+    follow from them)."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    names = sorted({p.name for pattern in ("tokenizer*", "special_tokens_map.json", "chat_template*", "*.model",
+                                           "vocab.*", "merges.txt") for p in folder.glob(pattern) if p.is_file()})
+    h = hashlib.sha256()
+    for name in names:
+        h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def fingerprint_differences(recorded: dict | None, current: dict) -> list[str]:
+    """'field: recorded -> current' for every field that differs (a missing fingerprint differs in all)."""
+    if recorded is None:
+        return ["fingerprint: none recorded (written by an older version) -> " + ", ".join(sorted(current))]
+    return [f"{key}: {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(recorded) | set(current))
+            if recorded.get(key) != current.get(key)]
+
+
+def check_fingerprint(recorded: dict | None, current: dict, what: str, remedy: str) -> None:
+    """Raise FingerprintMismatch naming every differing field, or return when `recorded` equals `current`."""
+    differences = fingerprint_differences(recorded, current)
+    if differences:
+        raise FingerprintMismatch(f"{what} was made differently from this run; differing fields: "
+                                  + "; ".join(differences) + f". {remedy}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -175,18 +175,40 @@ def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
 
 def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str | None) -> dict:
     """Train the scale's draft, or return the summary of the one trained by an earlier invocation."""
-    from pipelines.train import TrainJobConfig, run_train
+    from pipelines.train import run_train
 
     output = join(config.work, "drafts", f"rows-{rows}")
     summary = join(output, "summary.json")
     if exists(summary):
-        return json.loads(read_bytes(summary))
-    overrides = {**config.train, "features": features, "target": config.target, "output": output,
+        done = json.loads(read_bytes(summary))
+        _check_trained(config, rows, features, done.get("fingerprint"), output)
+        return done
+    return run_train(_scale_job(config, rows, features, init_from))
+
+
+def _scale_job(config: RetrainConfig, rows: int, features: str, init_from: str | None):
+    from pipelines.train import TrainJobConfig
+
+    overrides = {**config.train, "features": features, "target": config.target,
+                 "output": join(config.work, "drafts", f"rows-{rows}"),
                  "registered_model_name": config.registered_model, "resume": True}
     if init_from:
         overrides["init_from"] = init_from
         overrides.setdefault("lr", config.warm_start_lr)
-    return run_train(TrainJobConfig(**overrides))
+    return TrainJobConfig(**overrides)
+
+
+def _check_trained(config: RetrainConfig, rows: int, features: str, recorded: dict | None, output: str) -> None:
+    """A scale trained by an earlier invocation is reused only if the same data and settings made it, given the
+    warm start it had (the champion it started from has usually been replaced since, often by this very draft,
+    and a warm start also sets the learning rate)."""
+    from pipelines.feature_files import check_fingerprint
+    from pipelines.train.driver import training_fingerprint
+
+    started_from = (recorded or {}).get("init_from")
+    check_fingerprint(recorded, training_fingerprint(_scale_job(config, rows, features, started_from)),
+                      f"the draft trained in {output}",
+                      "Retrain into another --work, or delete that scale's drafts folder to train it again.")
 
 
 def _plot_scaling(points: list[dict], path: str) -> None:

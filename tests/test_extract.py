@@ -238,3 +238,63 @@ def test_regenerate_with_must_name_hf_or_an_openai_server(tmp_path, tiny_target_
         base_config(tmp_path, tiny_target_dir, regenerate_with="vllm")
     with pytest.raises(ValueError, match="openai:http"):
         base_config(tmp_path, tiny_target_dir, regenerate_with="openai:127.0.0.1:8000")
+
+
+def test_an_output_made_differently_is_refused_naming_the_fields(ray_cluster, tmp_path, tiny_target_dir,
+                                                                  smollm2_tokenizer):
+    """A rerun on an existing output with another max_length, another target (other weights) or regeneration
+    settings is refused before any work, naming each differing field, and leaves the output as it was;
+    --overwrite replaces it. Reusing a shard from an output made differently is refused too."""
+    from eagle_core.target import make_tiny_llama
+    from pipelines.feature_files import FingerprintMismatch
+
+    config = base_config(tmp_path, tiny_target_dir, regenerate=False, tokens_per_batch=4096)
+    first = run_extract(config)
+    assert first.fingerprint["max_length"] == 96 and first.fingerprint["regeneration"] is None
+    features = tmp_path / "out" / "features"
+    stamps = {p: p.stat().st_mtime_ns for p in features.glob("*.parquet")}
+
+    other = tmp_path / "other-target"  # the same architecture and tokenizer, other weights
+    model = make_tiny_llama(vocab_size=len(smollm2_tokenizer), num_hidden_layers=4, seed=11, tie_word_embeddings=False)
+    model.save_pretrained(other)
+    smollm2_tokenizer.save_pretrained(other)
+    for target, changes, fields in ((tiny_target_dir, {"max_length": 64}, ["max_length"]),
+                                    (other, {}, ["target_weights_hash"]),
+                                    (tiny_target_dir, {"regenerate": True, "max_new_tokens": 4}, ["regeneration"])):
+        with pytest.raises(FingerprintMismatch) as refused:
+            run_extract(base_config(tmp_path, target, **{"regenerate": False, **changes}))
+        message = str(refused.value)
+        for field in fields:
+            assert f"{field}:" in message, message
+        assert "--overwrite" in message and "tokenizer_hash" not in message
+    assert {p: p.stat().st_mtime_ns for p in features.glob("*.parquet")} == stamps  # nothing touched
+
+    elsewhere = base_config(tmp_path, other, regenerate=False, output=str(tmp_path / "reusing"),
+                            reuse_from=[config.output])
+    with pytest.raises(FingerprintMismatch, match="reuse_from.*target_weights_hash"):
+        run_extract(elsewhere)
+
+    replaced = run_extract(base_config(tmp_path, other, regenerate=False, overwrite=True))
+    assert replaced.fingerprint["target_weights_hash"] != first.fingerprint["target_weights_hash"]
+    assert load_manifest(config.output).fingerprint == replaced.fingerprint
+    assert all(p.stat().st_mtime_ns != stamps.get(p) for p in features.glob("*.parquet"))
+
+
+def test_training_reads_exactly_the_manifests_shards(ray_cluster, tmp_path, tiny_target_dir):
+    """A stale shard left in a reused features/ folder is not training data: the plan lists the manifest's shards
+    only, and a listed shard that is missing is an error."""
+    from pipelines.train.plan import scan_features
+
+    config = base_config(tmp_path, tiny_target_dir, regenerate=False, tokens_per_batch=4096)
+    manifest = run_extract(config)
+    names = [s.name for s in manifest.shards]
+    stale = tmp_path / "out" / "features" / "shard-00099-0000000000.parquet"
+    shutil.copy(tmp_path / "out" / "features" / f"{names[0]}.parquet", stale)
+    everything = scan_features(config.output)
+    planned = scan_features(config.output, names)
+    assert len(everything) == len(planned) + manifest.shards[0].rows
+    assert not any(r["file"].endswith(stale.name) for r in planned)
+    assert sorted(r["id"] for r in planned) == sorted(f"conv{i}" for i in range(7))
+    (tmp_path / "out" / "features" / f"{names[1]}.parquet").unlink()
+    with pytest.raises(FileNotFoundError, match="the manifest lists shards that are not there"):
+        scan_features(config.output, names)

@@ -462,3 +462,21 @@ def test_finish_run_exports_the_draft_to_an_object_store_url(tmp_path, tiny_targ
     local = tmp_path / "downloaded"
     fs.get("/eagle3-test/finish-run/draft/", str(local), recursive=True)
     assert load_draft(local, target=target).config.draft_vocab_size == 64
+
+
+def test_a_resume_with_other_data_or_settings_is_refused(features, clean, tmp_path):
+    """The run state records the training fingerprint; a --resume whose settings would change the draft is refused
+    naming the fields, before any training. Settings that do not (workers, checkpoint cadence) are not compared."""
+    import shutil
+
+    from pipelines.feature_files import FingerprintMismatch
+    from pipelines.train.driver import training_fingerprint
+
+    output = tmp_path / "resumed"
+    shutil.copytree(clean["draft"].rsplit("/draft", 1)[0], output)  # a finished run's folder, state included
+    state = json.loads((output / "train_run.json").read_text())
+    assert state["fingerprint"] == clean["fingerprint"] == training_fingerprint(job(features, output))
+    with pytest.raises(FingerprintMismatch, match=r"lr: 0\.003 -> 0\.001.*ttt_steps: 3 -> 2"):
+        run_train(job(features, output, resume=True, lr=1e-3, ttt_steps=2))
+    same = training_fingerprint(job(features, output, num_workers=2, checkpoint_every=7, warmup_ratio=0.5))
+    assert same == clean["fingerprint"]  # warmup_steps is set: the ratio does not take effect

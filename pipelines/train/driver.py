@@ -40,7 +40,8 @@ def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, di
     from pipelines.feature_files import load_manifest
 
     manifest = load_manifest(config.features)
-    train_rows, eval_rows = split_heldout(scan_features(config.features), config.eval_fraction)
+    shards = [s.name for s in manifest.shards]  # exactly the manifest's shards, not whatever else the folder holds
+    train_rows, eval_rows = split_heldout(scan_features(config.features, shards), config.eval_fraction)
     plan, train_entries, eval_entries = make_plan(train_rows, eval_rows, config, world)
     per_rank = build_planned_datasets(train_entries, eval_entries)
     meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
@@ -83,6 +84,32 @@ def prepare_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, d
     plan.total_steps = min(planned, config.max_steps) if config.max_steps else planned
     meta["target"] = target
     return meta, plan, per_rank, lineage
+
+
+# The fields of the job that decide the trained draft (not where or how fast it trains: workers, CPUs, checkpoint
+# cadence, tracking); with the data's fingerprint they make a training output's fingerprint.
+TRAINING_FINGERPRINT_FIELDS = ("target", "epochs", "max_steps", "lr", "min_lr_ratio", "weight_decay", "max_grad_norm",
+                               "tokens_per_batch", "ttt_steps", "step_decay", "draft_vocab_size", "lm_head_init",
+                               "eval_fraction", "seed", "strategy", "init_from", "corpus", "extract")
+
+
+def training_fingerprint(config: TrainJobConfig) -> dict:
+    """What made a training output: the decisive job fields and, in features mode, the extraction's fingerprint
+    and the exact shard list of its manifest (a hash), so a resumed or reused run is checked against them."""
+    import hashlib
+
+    fingerprint = {k: getattr(config, k) for k in TRAINING_FINGERPRINT_FIELDS}
+    # the warm-up that takes effect: explicit steps, else the ratio (which explicit steps make irrelevant)
+    fingerprint["warmup"] = ({"steps": config.warmup_steps} if config.warmup_steps is not None
+                             else {"ratio": config.warmup_ratio})
+    if config.features is not None:
+        from pipelines.feature_files import load_manifest
+
+        manifest = load_manifest(config.features)
+        fingerprint["features_fingerprint"] = manifest.fingerprint
+        fingerprint["features_shards"] = hashlib.sha256("\n".join(s.name for s in manifest.shards).encode()
+                                                        ).hexdigest()[:16]
+    return json.loads(json.dumps(fingerprint))  # as it reads back from JSON (tuples as lists)
 
 
 def _run_state_file(config: TrainJobConfig) -> str:
@@ -166,6 +193,12 @@ def run_train(config: TrainJobConfig) -> dict:
     if previous and not config.resume:
         raise FileExistsError(f"{config.output} already holds a training run ({previous.get('name')}); pass "
                               "--resume to continue it, or choose another --output")
+    fingerprint = training_fingerprint(config)
+    if previous:  # a resume continues only the run these inputs and settings started
+        from pipelines.feature_files import check_fingerprint
+
+        check_fingerprint(previous.get("fingerprint"), fingerprint, f"the training run in {config.output}",
+                          "Train into another --output, or delete this one to start over.")
     if config.mlflow_experiment:
         tracking.require_shared_store(alive_nodes())
     meta, plan, data, lineage = prepare_data(config, world)
@@ -177,7 +210,8 @@ def run_train(config: TrainJobConfig) -> dict:
     run_id = (previous or {}).get("mlflow_run_id")
     if config.mlflow_experiment and run_id is None:
         run_id = _start_mlflow_run(config, plan, lineage, world, count_trainable(config, tconfig))
-    _write_run_state(config, {"name": config.name, "mlflow_run_id": run_id, "num_workers": world})
+    _write_run_state(config, {"name": config.name, "mlflow_run_id": run_id, "num_workers": world,
+                              "fingerprint": fingerprint})
     lineage.train_mlflow_run_id = run_id
     loop_config = {"job": config.to_dict(), "meta": meta, "plan": plan.to_json(), "d2t": d2t.tolist(),
                    "target": meta["target"], "lineage": lineage.to_json(), "mlflow_run_id": run_id,
@@ -187,7 +221,8 @@ def run_train(config: TrainJobConfig) -> dict:
     result = _trainer(config, loop_config, data).fit()
     summary = finish_run(config, result, run_id, meta["target"])
     summary.update(seconds=time.perf_counter() - started, total_steps=plan.total_steps, train_rows=plan.train_rows,
-                   eval_rows=plan.eval_rows, mlflow_run_id=run_id, lineage=lineage.to_json(), world_size=world)
+                   eval_rows=plan.eval_rows, mlflow_run_id=run_id, lineage=lineage.to_json(), world_size=world,
+                   fingerprint=fingerprint)
     with fsspec.open(join(config.output, "summary.json"), "wt") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary

@@ -58,10 +58,19 @@ def id_hash(conversation_id: str) -> str:
     return hashlib.sha256(conversation_id.encode()).hexdigest()
 
 
-def scan_features(features: str) -> list[dict]:
-    """One light record per feature row: {id, file, row, length} (reads the id and input_ids columns only)."""
+def scan_features(features: str, shards: list[str] | None = None) -> list[dict]:
+    """One light record per feature row: {id, file, row, length} (reads the id and input_ids columns only).
+
+    `shards`: the manifest's shard names, read exactly (a missing one is an error); other Parquet files in the
+    folder (a reused folder's stale shards) are not training data. None: every Parquet file of the folder."""
     fs, path = fsspec.core.url_to_fs(join(features, "features"))
-    files = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".parquet"))
+    if shards is None:
+        files = sorted(p for p in fs.ls(path, detail=False) if p.endswith(".parquet"))
+    else:
+        files = [f"{path}/{name}.parquet" for name in shards]
+        missing = [f for f in files if not fs.exists(f)]
+        if missing:
+            raise FileNotFoundError(f"{features}: the manifest lists shards that are not there: {missing[:5]}")
     rows = []
     for f in files:
         with fs.open(f, "rb") as handle:
