@@ -390,3 +390,66 @@ def test_the_deployment_never_puts_the_key_into_runtime_env(monkeypatch):
     monkeypatch.delenv("EAGLE3_SERVE_API_KEY_FILE")
     app = build_app({"target": "t", "num_gpus": 0})  # the driver has a key the replicas may not: they must find one
     assert app._bound_deployment.init_args[0]["require_api_key"] is True
+
+
+def test_sigterm_ends_every_in_flight_request_with_a_final_event(models, tiny_target_dir, tmp_path):
+    """A server process with three streams in flight (200 tokens each, 0.1 s a round: ~20 s of work) gets SIGTERM:
+    within its 1 s drain every stream ends with a final event (a finish chunk, or the shutdown error) and [DONE],
+    and the process exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, str(repo / "tests" / "serve_sigterm_server.py"), str(tiny_target_dir),
+                               str(models[3]), str(port), "1.0"], cwd=repo, stdout=log, stderr=log,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: server.poll() is None and _up(url), "the server", timeout=180)
+        results, started = {}, threading.Barrier(4)
+
+        def stream(i):
+            lines = []
+            with httpx.stream("POST", f"{url}/v1/completions", content=body(stream=True), timeout=120) as s:
+                first = True
+                for line in s.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        if first:
+                            started.wait(60)
+                            first = False
+            results[i] = lines
+
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for c in clients:
+            c.start()
+        started.wait(120)  # every stream has its first chunk
+        signalled = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(60)
+        # uvicorn re-raises the signal once its graceful shutdown is over: a clean stop ends "killed" by SIGTERM
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert time.monotonic() - signalled < 30
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert sorted(results) == [0, 1, 2], (tmp_path / "server.log").read_text()[-3000:]
+    for lines in results.values():
+        assert lines[-1] == "[DONE]"
+        final = json.loads(lines[-2])
+        finished = "choices" in final and final["choices"] and final["choices"][0].get("finish_reason")
+        assert finished or final["error"]["message"] == "generation failed: the server is shutting down", final
+    assert any("error" in json.loads(lines[-2]) for lines in results.values())  # the drain cut some short
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

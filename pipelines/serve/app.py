@@ -318,4 +318,8 @@ def build_app(args: dict | None = None):
         log.warning("EAGLE3_SERVE_API_KEY is set but not copied to the replicas; they use EAGLE3_SERVE_API_KEY "
                     "from their own environment or api_key_file, and refuse to start without one")
         config.require_api_key = True
-    return SpecDecodeServer.options(**deployment_options(options)).bind(config.to_dict())
+    placement = deployment_options(options)
+    # Serve waits this long for a stopping replica's requests before killing it; they end by then on their own
+    # (finished, or 504 at request_timeout_s), so each gets its final event; then __del__ drains the rest.
+    placement.setdefault("graceful_shutdown_timeout_s", config.request_timeout_s + config.drain_s)
+    return SpecDecodeServer.options(**placement).bind(config.to_dict())

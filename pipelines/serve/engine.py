@@ -288,15 +288,21 @@ class Engine:
             return idle
         return None
 
-    def close(self, drain_s: float = 30.0) -> None:
-        """Graceful stop: refuse new requests, let running and waiting ones decode for up to `drain_s`, then end
-        every request still open with an error event. Every request submitted gets a final event ("done" or
-        "error") unless the engine thread itself is stuck in a step."""
+    def begin_drain(self, drain_s: float = 30.0) -> None:
+        """Start a graceful stop without waiting for it (a signal handler's part): new requests get Overloaded,
+        running and waiting ones decode for up to `drain_s`, then every request still open gets an error event
+        and the engine thread ends. A second call keeps the first deadline."""
         with self.cond:
-            self.draining = True
-            self.drain_deadline = time.monotonic() + drain_s
+            if not self.draining:
+                self.draining = True
+                self.drain_deadline = time.monotonic() + drain_s
             self.cond.notify()
-        self.thread.join(timeout=drain_s + 10)
+
+    def close(self, drain_s: float = 30.0) -> None:
+        """Graceful stop (`begin_drain`), waiting for it. Every request submitted gets a final event ("done" or
+        "error") unless the engine thread itself is stuck in a step."""
+        self.begin_drain(drain_s)
+        self.thread.join(timeout=max(self.drain_deadline - time.monotonic(), 0.0) + 10)
         with self.cond:
             self.stopped = True
             self.cond.notify()
