@@ -4,7 +4,9 @@ Real components on this machine: a Ray head and a Ray worker node (separate rayl
 cache, as two hosts would have), moto's S3 HTTP server on 127.0.0.1, and `mlflow server` on 127.0.0.1 whose
 artifacts go to S3. The jobs run as a user runs them (their CLIs, `RAY_ADDRESS` set) from an empty working
 directory: ingest -> extract with regeneration -> train (two workers) -> retrain a second scale warm-starting
-from the champion -> serve `models:/...@champion` -> one answered request.
+from the champion -> serve `models:/...@champion` -> one answered request. Faults on the way: the tracking server
+is killed as the first scale's training starts and restarted after it ended (the run completes, with every step's
+metrics); another target on an existing extraction output is refused, naming the differing fields.
 """
 
 import json
@@ -21,6 +23,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from eagle_core.target import make_tiny_llama
 from pipelines.storage import upload_folder
 from process_helpers import free_port, kill_session, wait_until
 
@@ -65,7 +68,8 @@ def local_writes(home: Path, tmpdir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_target_dir, tmp_path):
+def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_target_dir, tmp_path,
+                                                            smollm2_tokenizer):
     upload_folder(tiny_target_dir, "s3://eagle3/models/tiny")
     write_inputs(tmp_path)
     bin_dir = Path(sys.executable).parent
@@ -89,15 +93,24 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
                                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{len(processes)}.log", "w")))
 
     try:
-        start([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
-               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-               "--artifacts-destination", "s3://eagle3/mlflow"],
-              {**base_env, "TMPDIR": str(tmp_path)})  # the tracking server is a service of its own, not ours
+        def start_mlflow():  # processes[0]; the tracking server is a service of its own, not ours (TMPDIR)
+            command = [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                       "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                       "--artifacts-destination", "s3://eagle3/mlflow"]
+            server = subprocess.Popen(command, env={**base_env, "TMPDIR": str(tmp_path)}, cwd=workdir,
+                                      start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=open(tmp_path / "mlflow.log", "a"))
+            if processes:
+                processes[0] = server
+            else:
+                processes.append(server)
+            wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
+
+        start_mlflow()
         node_env = {**base_env, "MLFLOW_TRACKING_URI": tracking_uri}
         start([str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
                "--num-cpus=3", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
                f"--dashboard-agent-listen-port={free_port()}"], {**node_env, "EAGLE3_CACHE": str(caches["head"])})
-        wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
         time.sleep(5)
         start([str(bin_dir / "ray"), "start", "--block", f"--address=127.0.0.1:{ray_port}",
                "--node-ip-address=127.0.0.1", "--num-cpus=3", f"--dashboard-agent-listen-port={free_port()}"],
@@ -113,20 +126,40 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         train = {"num_workers": 2, "cpus_per_worker": 2, "epochs": 1, "tokens_per_batch": 256, "ttt_steps": 2,
                  "draft_vocab_size": 128, "eval_fraction": 0.25, "checkpoint_every": 100, "log_every": 100,
                  "mlflow_experiment": "two-node-train"}
-        retrain = subprocess.run(
+        retrain = subprocess.Popen(
             [sys.executable, "-m", "jobs.retrain", "--corpus", "s3://eagle3/data/corpus.jsonl", "--scales", "8,16",
              "--work", "s3://eagle3/retrain", "--target", "s3://eagle3/models/tiny", "--registered-model", "two-node",
              "--eval-prompts", "s3://eagle3/data/prompts.jsonl", "--eval-count", "2", "--eval-max-new-tokens", "6",
              "--margin", "-100", "--extract", json.dumps(extract), "--train", json.dumps(train),
              "--mlflow-experiment", "two-node"],
-            env=driver_env, cwd=workdir, capture_output=True, text=True, timeout=900)
-        assert retrain.returncode == 0, retrain.stdout[-4000:] + retrain.stderr[-6000:]
-        result = json.loads(retrain.stdout[retrain.stdout.index("{\n"):])
+            env=driver_env, cwd=workdir, stdout=subprocess.PIPE, stderr=open(tmp_path / "retrain.log", "w"),
+            text=True)
+        # The tracking server dies as the first scale's training starts and comes back only after that training
+        # wrote its last checkpoint: every step's metrics are logged during the outage.
+        s3 = fsspec.filesystem("s3")
+        first_draft = "eagle3/retrain/drafts/rows-8"
+        wait_until(lambda: retrain.poll() is not None or s3.exists(f"{first_draft}/train_run.json"),
+                   "the first scale's training", timeout=900)
+        assert retrain.poll() is None, (tmp_path / "retrain.log").read_text()[-6000:]
+        stop(processes[0])
+        wait_until(lambda: retrain.poll() is not None or any(
+            "checkpoint-" in p for p in s3.find(f"{first_draft}/ray")), "the first scale's last checkpoint",
+            timeout=600)
+        start_mlflow()  # same port, same database: the queued metrics and the driver's registration go through
+        out, _ = retrain.communicate(timeout=900)
+        assert retrain.returncode == 0, out[-4000:] + (tmp_path / "retrain.log").read_text()[-6000:]
+        result = json.loads(out[out.index("{\n"):])
         first, second = result["scales"]
         assert (first["rows"], second["rows"]) == (8, 16) and first["promoted"] and second["promoted"]
         assert second["reused_shards"] == 2 and second["champion_version"] == first["version"]
 
-        s3 = fsspec.filesystem("s3")
+        # The first scale's training ran through the outage and still holds every step's metrics.
+        from mlflow import MlflowClient
+
+        trained = json.loads(s3.cat_file(f"{first_draft}/summary.json"))
+        history = MlflowClient(tracking_uri).get_metric_history(trained["mlflow_run_id"], "loss")
+        assert sorted(m.step for m in history) == list(range(1, trained["total_steps"] + 1))
+
         for rows in (8, 16):
             features = f"eagle3/retrain/features/rows-{rows}"
             assert len(s3.ls(f"{features}/features")) == rows // 4
@@ -136,6 +169,24 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         # The target was fetched into both nodes' caches: actors and training workers ran on both.
         for node, cache in caches.items():
             assert list((cache / "remote").glob("tiny-*/config.json")), node
+
+        # Another target on the same extraction output: refused before any work, naming the differing fields.
+        other = tmp_path / "other-target"
+        model = make_tiny_llama(vocab_size=len(smollm2_tokenizer), num_hidden_layers=4, seed=11,
+                                tie_word_embeddings=False)
+        model.save_pretrained(other)
+        smollm2_tokenizer.save_pretrained(other)
+        upload_folder(other, "s3://eagle3/models/tiny-other")
+        features = "eagle3/retrain/features/rows-8"
+        before = {p: s3.info(p)["ETag"] for p in s3.find(features)}
+        refused = subprocess.run(
+            [sys.executable, "-m", "jobs.extract", "--corpus", "s3://eagle3/data/corpus.jsonl", "--limit", "8",
+             "--output", f"s3://{features}", "--target", "s3://eagle3/models/tiny-other", "--rows-per-shard", "4",
+             "--max-length", "64", "--max-new-tokens", "8", "--mlflow-experiment", ""],
+            env=driver_env, cwd=workdir, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0 and "FingerprintMismatch" in refused.stderr, refused.stderr[-4000:]
+        assert "target_weights_hash:" in refused.stderr and "--overwrite" in refused.stderr
+        assert {p: s3.info(p)["ETag"] for p in s3.find(features)} == before  # nothing there changed
 
         port = free_port()
         start([sys.executable, "-m", "jobs.serve", "--target", "s3://eagle3/models/tiny", "--draft",
