@@ -264,9 +264,10 @@ def test_context_chain_greedy_is_lossless(target, damped, echo_prompts, config, 
         assert sum(counter) >= 5 and max(s.tau for s in spec.stats) > 2
 
 
-@pytest.mark.parametrize("config", CONTEXT_CONFIGS[:2], ids=str)
+@pytest.mark.parametrize("config", [CONTEXT_CONFIGS[1], TreeConfig(2, 2, 3, context_chain=6)], ids=str)
 def test_context_chain_seeded_sampling_equals_plain_sampling(damped, echo_prompts, config):
-    draft = echo_draft(damped)
+    """A random draft: the target's repetitions are the chain's to propose, so its own slots get accepted."""
+    draft = random_draft(damped, 300)
     kw = dict(max_new_tokens=24, temperature=0.2, top_p=0.95, top_k=40, seed=5)
     plain = generate(damped, echo_prompts, **kw).tokens
     counter = []
@@ -288,35 +289,37 @@ def test_context_chain_batch_equals_one_by_one(damped, echo_prompts):
     assert len({tuple(s.accept_lengths) for s in batch.stats}) > 1
 
 
-def _misplaced(graft):
-    """A graft whose chain slots sit one position too far (depth + 1): their logits are not the path's."""
-    def wrong(tree, chain):
-        g = graft(tree, chain)
-        g.depth = g.depth + (torch.arange(g.size) >= g.draft_size).long()
-        return g
-    return wrong
+def _wrong_verify(verify_hidden, wrong: str):
+    """A verify forward wrong on the chain's own slots only: at their slot index instead of their path depth, as
+    if appended after the tree ("positions"), or blind to the chain tokens before them ("mask"). Acceptance still
+    reads the tree as it is."""
+    from eagle_core.kv import target_forward
+
+    def verify(target, kv, tree, aux_layer_ids):
+        if tree.draft_size is None:
+            return verify_hidden(target, kv, tree, aux_layer_ids)
+        slot = torch.arange(tree.size) >= tree.draft_size
+        positions, mask = kv.lengths[:, None] + tree.depth, tree.ancestors
+        if wrong == "positions":
+            positions = torch.where(slot, kv.lengths[:, None] + torch.arange(tree.size), positions)
+        else:
+            mask = mask & ~(slot[:, None] & slot[None, :]) | torch.eye(tree.size, dtype=torch.bool)
+        return target_forward(target, kv, tree.forward_tokens(), positions, mask, aux_layer_ids)
+    return verify
 
 
-def _blind(graft):
-    """A graft whose chain slots see only the root and themselves, not the chain tokens before them."""
-    def wrong(tree, chain):
-        g = graft(tree, chain)
-        chain_slots = torch.arange(g.size) >= g.draft_size
-        g.ancestors = g.ancestors & ~(chain_slots[None, :, None] & chain_slots[None, None, :]) | torch.eye(g.size, dtype=torch.bool)
-        return g
-    return wrong
-
-
-@pytest.mark.parametrize("wrong", [_misplaced, _blind], ids=["positions", "mask"])
+@pytest.mark.parametrize("wrong", ["positions", "mask"])
 def test_a_wrong_graft_fails_the_lossless_test(damped, echo_prompts, monkeypatch, wrong):
-    """The context tests above can fail: chain slots at the wrong positions, or blind to the chain before them,
-    change the committed tokens."""
+    """The context tests above can fail: chain slots verified at the wrong positions, or blind to the chain before
+    them, change the committed tokens."""
     import eagle_core.decoding as decoding
 
-    monkeypatch.setattr(decoding, "graft_chain", wrong(decoding.graft_chain))
-    plain = generate(damped, echo_prompts, max_new_tokens=24).tokens
-    spec = generate(damped, echo_prompts, draft=echo_draft(damped), tree=CONTEXT_CONFIGS[1], mode="context",
-                    max_new_tokens=24)
+    plain = generate(damped, echo_prompts, max_new_tokens=40).tokens
+    draft = random_draft(damped, 300)  # the target's repetitions are the chain's to propose: its slots get accepted
+    right = generate(damped, echo_prompts, draft=draft, tree=CONTEXT_CONFIGS[1], mode="context", max_new_tokens=40)
+    assert right.tokens == plain
+    monkeypatch.setattr(decoding, "verify_hidden", _wrong_verify(decoding.verify_hidden, wrong))
+    spec = generate(damped, echo_prompts, draft=draft, tree=CONTEXT_CONFIGS[1], mode="context", max_new_tokens=40)
     assert spec.tokens != plain
 
 
