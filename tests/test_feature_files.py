@@ -25,6 +25,9 @@ def manifest_json() -> dict:
         "feature_schema": {"id": "string", "input_ids": "list<item: int32>"},
         "config": {"corpus": "sharegpt", "output": "work/features/headline"},
         "seconds": 12.5, "reused_shards": ["shard-00000-0123456789"], "mlflow_run_id": "f00d",
+        "fingerprint": {"target_weights_hash": "0123456789abcdef", "tokenizer_hash": "fedcba9876543210",
+                        "max_length": 2048, "dtype": "bfloat16", "aux_layer_ids": [2, 15, 27], "regeneration": None,
+                        "corpus": "sharegpt"},
     }
 
 
