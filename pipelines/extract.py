@@ -131,7 +131,8 @@ def prepare_output(config: ExtractConfig, fingerprint: dict) -> None:
             if fs.exists(f"{root}/{part}"):
                 fs.rm(f"{root}/{part}", recursive=True)
     else:
-        remedy = "Extract into another --output, or pass --overwrite to replace what is there."
+        remedy = ("Extract into another --output, or replace what is there: --overwrite (jobs/extract.py), "
+                  "--extract '{\"overwrite\": true}' (jobs/retrain.py).")
         if exists(join(config.output, FINGERPRINT_FILE)):
             check_fingerprint(json.loads(read_bytes(join(config.output, FINGERPRINT_FILE))), fingerprint,
                               f"the extraction output {config.output}", remedy)

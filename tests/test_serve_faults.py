@@ -284,7 +284,8 @@ def test_a_client_that_leaves_frees_its_row_within_one_round(server, faults, whe
     url, service = server
     faults.delay = 0.25
     text = scrape(url)
-    cancelled, generated = metric(text, "eagle3_serve_cancelled_total"), metric(text, "eagle3_serve_generated_tokens_total")
+    cancelled = metric(text, "eagle3_serve_cancelled_total")
+    generated = metric(text, "eagle3_serve_generated_tokens_total")
     sock = raw_request(url, body(stream=when != "plain-response"))
     if when == "mid-stream":
         sock.settimeout(60)
