@@ -191,7 +191,7 @@ def test_ignoring_the_window_would_change_the_tokens(name, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unsupported_families_are_refused_by_name_before_any_weights_load(name, tmp_path):
-    from eagle_core.target import load_target
+    from eagle_core.target import load_target, materialize_hf_folder
 
     config = _config(name)
     with pytest.raises(UnsupportedTarget, match=REFUSED[name]):
@@ -199,6 +199,9 @@ def test_unsupported_families_are_refused_by_name_before_any_weights_load(name, 
     config.save_pretrained(tmp_path)  # a folder with a config and no weights: the refusal must come first
     with pytest.raises(UnsupportedTarget, match=REFUSED[name]):
         load_target(tmp_path, device="cpu", dtype="float32")
+    # extraction, training and serving resolve every target through this one function
+    with pytest.raises(UnsupportedTarget, match=REFUSED[name]):
+        materialize_hf_folder(str(tmp_path))
 
 
 def test_a_checkpoint_with_a_vision_tower_is_refused_by_name():
