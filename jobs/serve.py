@@ -38,10 +38,22 @@ def parse_sets(items: list[str]) -> dict:
     return out
 
 
+def served_draft(draft: str, target: str) -> str | None:
+    """The draft `--draft` names: 'shipped' is the one shipped for a named target (none for other targets), 'none'
+    or '' plain decoding, anything else a folder, URL or registry URI as given."""
+    from eagle_core.shipped import SHIPPED, shipped_draft
+
+    if draft == "shipped":
+        return str(shipped_draft(target)) if target in SHIPPED else None
+    return None if draft in ("none", "") else draft
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m", help="target: 'smollm2-135m', a .gguf file, an HF folder (path or URL), a hub id or models:/<name>@<alias>")
-    p.add_argument("--draft", default=None, help="draft folder (path or URL) or models:/<name>@<alias>; omit for plain decoding")
+    p.add_argument("--draft", default="shipped",
+                   help="draft folder (path or URL), models:/<name>@<alias>, 'shipped' (the draft the project ships for "
+                        "a named target; plain decoding for other targets) or 'none' (plain decoding)")
     p.add_argument("--name", default="eagle3", help="Serve application name")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (an all-interfaces address exposes the server to the network: only behind auth)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the Serve app")
@@ -70,7 +82,8 @@ def main(argv=None):
     from pipelines.serve.app import build_app
 
     connect(args.address)
-    app_args = {"target": args.target, **({"draft": args.draft} if args.draft else {}), **sets}
+    draft = served_draft(args.draft, args.target)
+    app_args = {"target": args.target, **({"draft": draft} if draft else {}), **sets}
     app = build_app(app_args)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)

@@ -52,3 +52,14 @@ def test_shipped_draft_is_accepted_on_mtbench(smollm2):
                    eos_token_id=tokenizer.eos_token_id)
     accepted = [n for s in out.stats for n in s.accept_lengths]
     assert 1 + sum(accepted) / len(accepted) > 1.5
+
+
+def test_serving_a_named_target_loads_its_shipped_draft_by_default():
+    import jobs.serve as serve_job
+    from eagle_core.shipped import shipped_draft
+
+    for target in ("smollm2-135m", "gemma3-270m"):
+        assert serve_job.served_draft("shipped", target) == str(shipped_draft(target))
+    assert serve_job.served_draft("shipped", "some/other-model") is None  # nothing ships for it: plain decoding
+    assert serve_job.served_draft("none", "gemma3-270m") is None
+    assert serve_job.served_draft("models:/eagle3-draft@champion", "gemma3-270m") == "models:/eagle3-draft@champion"
