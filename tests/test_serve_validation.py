@@ -226,3 +226,15 @@ def test_valid_openai_client_fields_are_accepted(live):
             response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
             logit_bias={}, top_logprobs=0, store=False, metadata={"k": "v"}, modalities=["text"]))
         assert r.status_code == 200, r.text
+
+
+def test_every_tree_field_is_a_serve_argument():
+    """The demo serves the tree its evaluation tuned (`TreeConfig` as a dict): every field must reach the engine."""
+    from dataclasses import asdict
+
+    from eagle_core.tree import TreeConfig
+    from pipelines.serve.app import split_args
+
+    tuned = TreeConfig(8, 2, 8, path_logits=True, context_chain=6)
+    config, _ = split_args({"target": "smollm2-135m", **asdict(tuned)})
+    assert config.tree == tuned and config.engine.tree == tuned

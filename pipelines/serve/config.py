@@ -30,6 +30,7 @@ class ServeConfig:
     depth: int = TreeConfig.depth
     total_tokens: int = TreeConfig.total_tokens
     path_logits: bool = TreeConfig.path_logits  # lm_head on the accepted path only: pays for fp32 on CPUs
+    context_chain: int = TreeConfig.context_chain  # prompt-lookup tokens grafted beside the tree (0 = off)
     # ---- batching and load fallback: EngineConfig (its docstring; engine.choose_mode, eagle_core.policy.ModeChooser) ----
     max_batch_size: int = EngineConfig.max_batch_size
     max_waiting: int = EngineConfig.max_waiting
