@@ -275,13 +275,14 @@ class DecodingState:
         tree = self.tree if mode in ("tree", CONTEXT) else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
         t0 = clock(self.device)
         caught_up = self.catch_up_draft_()
-        # The rows' lookups (host only): grafted in a context round, and what a tree round's rows would have
-        # committed with them (`Step.also`).
-        proposals = None
+        catch_up_s = clock(self.device) - t0 if caught_up else 0.0
+        # The rows' lookups (host only, timed without a device sync and charged to the round's draft time):
+        # grafted in a context round, and what a tree round's rows would have committed with them (`Step.also`).
+        lookup_s, proposals = time.perf_counter(), None
         if self.context is not None and mode in ("tree", CONTEXT):
             proposals = [index.propose(self.tree.context_chain) for index in self.context]
         grafted = context_tensor(proposals, self.device) if mode == CONTEXT else None
-        catch_up_s = clock(self.device) - t0 if caught_up else 0.0
+        lookup_s = time.perf_counter() - lookup_s
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
                                  self.sampling, self.seeds, self.aux_layer_ids, grafted)
         self.root, self.draft_hidden = out.root, out.draft_hidden
@@ -299,7 +300,8 @@ class DecodingState:
         tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
         if mode == "tree" and proposals is not None:
             also[CONTEXT] = sum(context_yield(p, t) for p, t in zip(proposals, tokens))
-        step = Step(mode, tokens, accept_lengths, out.draft_s + catch_up_s, out.verify_s, out, catch_up_s, also)
+        step = Step(mode, tokens, accept_lengths, out.draft_s + lookup_s + catch_up_s, out.verify_s, out, catch_up_s,
+                    also)
         return self._record_context(step)
 
     def _record_context(self, step: Step) -> Step:
