@@ -1,6 +1,6 @@
 """Drafts that ship with the project: a trained EAGLE-3 draft for each embedded target.
 
-`shipped_draft("smollm2-135m")` is the default draft wherever one is needed for the embedded target (serve,
+`shipped_draft(name)` is the default draft wherever one is needed for a named target (serve,
 benchmarks, the demo's first champion, tests that need a trained draft). Each folder holds config.json,
 model.safetensors (bf16) and a model card (README.md) with its data, recipe and measured acceptance.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_core.target import SMOLLM2_NAME
+from eagle_core.target import GEMMA3_NAME, SMOLLM2_NAME
 
 DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
-SHIPPED = {SMOLLM2_NAME: "smollm2-135m-instruct"}
+SHIPPED = {SMOLLM2_NAME: "smollm2-135m-instruct", GEMMA3_NAME: "gemma3-270m"}
 
 
 def shipped_draft(target: str = SMOLLM2_NAME) -> Path:

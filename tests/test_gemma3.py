@@ -1,0 +1,103 @@
+"""The second real target, Gemma 3 270M (`load_target("gemma3-270m")`): sliding and global layers, a 262k vocabulary,
+Gemma's turn format. Loaded from the suite's model cache (CI's starts empty, so this converts the GGUF); decoded
+past its 512-token sliding window, with the draft shipped for it, equal to transformers' greedy in fp32."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+from decode_helpers import single_thread  # noqa: F401 (autouse fixture)
+from eagle_core.checkpoint import DraftTargetMismatch, load_draft
+from eagle_core.chat import prompt_ids
+from eagle_core.generate import generate
+from eagle_core.shipped import shipped_draft
+from eagle_core.target import GEMMA3_NAME, SMOLLM2_NAME, load_target, materialize_hf_folder
+from eagle_core.tree import TreeConfig
+
+pytestmark = pytest.mark.slow
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return load_target(GEMMA3_NAME, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(gemma3):
+    """A held-out ShareGPT conversation of 1000+ tokens (twice the sliding window) under Gemma's turn format."""
+    from bench.prompt_sets import long_context
+
+    (item,), _ = long_context(gemma3[1], 1, 0)
+    return prompt_ids(gemma3[1], item["messages"])
+
+
+def test_the_named_target_converts_with_its_layers_and_turn_format(gemma3):
+    model, tokenizer = gemma3
+    config = model.config
+    assert config.model_type == "gemma3_text" and config.vocab_size == 262144 and config.sliding_window == 512
+    assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert (materialize_hf_folder(GEMMA3_NAME) / "config.json").is_file()
+
+
+def test_the_shipped_draft_is_the_default_and_in_the_engines_layout(gemma3):
+    folder = shipped_draft(GEMMA3_NAME)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["torch_dtype"] == "bfloat16" and (folder / "README.md").is_file()
+    draft = load_draft(folder, target=gemma3[0])
+    assert draft.config.target_vocab_size == 262144 and draft.config.draft_vocab_size == 32000
+
+
+def test_decoding_past_the_sliding_window_equals_transformers_greedy(gemma3, long_prompt):
+    model, tokenizer = gemma3
+    assert len(long_prompt) > 2 * model.config.sliding_window
+    short = prompt_ids(tokenizer, [{"role": "user", "content": "Name three colours of the rainbow."}])
+    reference = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
+                 .tolist() for p in (long_prompt, short)]
+    draft = load_draft(shipped_draft(GEMMA3_NAME), target=model).eval()
+    assert generate(model, [long_prompt, short], max_new_tokens=NEW).tokens == reference
+    for mode, tree in (("tree", TreeConfig(8, 3, 16)), ("chain", TreeConfig.chain(3))):
+        spec = generate(model, [long_prompt, short], draft=draft, tree=tree, mode=mode, max_new_tokens=NEW)
+        assert spec.tokens == reference, mode
+    assert spec.stats[0].tau > 1.0  # the draft's guesses were accepted on the long context
+
+
+def test_the_serving_engine_decodes_past_the_window_as_transformers(gemma3, long_prompt):
+    from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
+    from eagle_core.verify import SamplingConfig
+
+    model, tokenizer = gemma3
+    reference = model.generate(torch.tensor([long_prompt]), max_new_tokens=NEW, min_new_tokens=NEW,
+                               do_sample=False)[0, len(long_prompt):].tolist()
+    draft = load_draft(shipped_draft(GEMMA3_NAME), target=model).eval()
+    engine = Engine(model, tokenizer, draft, EngineConfig(TreeConfig(8, 2, 8), max_batch_size=2))
+    done, finished = [], threading.Event()
+
+    def on_event(event):
+        if event.kind != "delta":
+            done.append(event)
+            finished.set()
+
+    try:
+        engine.submit(GenerationRequest(long_prompt, NEW, SamplingConfig(), on_event))
+        assert finished.wait(timeout=300)
+    finally:
+        engine.close()
+    tokens = done[0].token_ids
+    assert done[0].kind == "done" and tokens == reference[:len(tokens)]
+    assert len(tokens) == NEW or tokens[-1] in engine.eos  # the whole answer, or up to the end of sequence
+
+
+def test_a_draft_for_one_named_target_is_refused_by_the_other(gemma3, smollm2):
+    for draft, target, sizes in ((SMOLLM2_NAME, gemma3[0], ("576", "49152", "30")),
+                                 (GEMMA3_NAME, smollm2[0], ("640", "262144", "18"))):
+        with pytest.raises(DraftTargetMismatch) as refused:
+            load_draft(shipped_draft(draft), target=target)
+        message = str(refused.value)
+        assert all(size in message for size in sizes), message  # hidden size, vocabulary and layers, all listed
