@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
+from pipelines.console import progress
 from pipelines.registry import (CANDIDATE, CHAMPION, PromotionLease, alias_version,  # noqa: F401 (re-exported)
                                 decide_promotion, rollback)
 from pipelines.storage import exists, join, read_bytes, resolve_source
@@ -115,6 +116,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     tokens, seconds, auto_rounds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), Counter()
     chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
     tuned.prime(chooser)  # starting from the auto-tune's measurements, not from two rounds of each mode
+    bar = progress(total=len(ids), desc="[retrain] evaluating", unit="prompt")
     for n, prompt in enumerate(ids):
         for mode in rotation(modes, n):  # each mode leads in turn: no order favours one
             start = time.perf_counter()
@@ -125,6 +127,8 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
             tokens[mode] += out.stats[0].new_tokens
             if mode == "auto":
                 auto_rounds.update(out.stats[0].modes)
+        bar.update(1)
+    bar.close()
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
     return {"tau": tuned.tau[f"{full.depth}/{full.size}"],  # the calibration tree itself
             "tuned_tree": asdict(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
