@@ -35,7 +35,7 @@ from bench.prompt_sets import PROMPT_SETS, prompt_set
 from eagle_core.autotune import autotune, draft_cases, target_forward_cases, timed
 from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
-from eagle_core.decoding import plain_step, prefill
+from eagle_core.decoding import available_modes, plain_step, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.policy import ModeChooser
@@ -76,7 +76,9 @@ class Runner:
     def __init__(self, model, draft, eos, chain: TreeConfig, tree: TreeConfig, lookup_tokens: int):
         self.model, self.draft, self.eos = model, draft, eos
         self.chain, self.tree, self.lookup_tokens = chain, tree, lookup_tokens
-        self.chooser = ModeChooser()  # the auto policy keeps what it measured across prompts, as a server does
+        # the auto policy keeps what it measured across prompts, as a server does; the context mode where the tree has
+        # a chain
+        self.chooser = ModeChooser(available_modes(tree))
 
     def run(self, method: str, ids: list[int], max_new_tokens: int) -> dict:
         t0 = time.perf_counter()

@@ -103,6 +103,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     of both speed-ups)."""
     from eagle_core.autotune import DEFAULT_SIZES, autotune, rotation
     from eagle_core.chat import prompt_ids
+    from eagle_core.decoding import available_modes
     from eagle_core.generate import generate
     from eagle_core.policy import ModeChooser
 
@@ -114,7 +115,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
                      max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     modes = ("tree", "auto", "plain")
     tokens, seconds, auto_rounds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), Counter()
-    chooser = ModeChooser()  # one policy for all prompts: what it measured on one serves the next, as in a server
+    chooser = ModeChooser(available_modes(tuned.tree))  # one policy for all prompts, as in a server
     tuned.prime(chooser)  # starting from the auto-tune's measurements, not from two rounds of each mode
     bar = progress(total=len(ids), desc="[retrain] evaluating", unit="prompt")
     for n, prompt in enumerate(ids):
