@@ -114,7 +114,7 @@ def interleaved_ms(device, cases: dict, repeats: int = 9) -> dict:
     the state back after each run, so every repeat times the same work): each repeat runs every case once, starting from a
     different case each time, after one untimed pass. On a shared machine a burst or a drift then lands on
     every case alike instead of on whichever was being timed, so ratios between cases (what the auto-tune and the
-    cost table compare) hold even when absolute times move (this 2-core machine's move by ~30 % between runs)."""
+    cost table compare) hold even when absolute times move (on shared CPUs they move by tens of percent between runs)."""
     keys = list(cases)
     times = {key: [] for key in keys}
     for rep in range(repeats + 1):

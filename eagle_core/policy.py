@@ -37,10 +37,8 @@ class ModeChooser:
     keeps the caches in the same state.
 
     `alpha` 0.02 (a memory of ~50 rounds): a slow spell of the machine and a stretch of hard text each last
-    tens of rounds, and with 0.1 (~10 rounds) they handed whole requests to plain or chain. Measured on the
-    2-core CPU, the shipped draft, 6 MT-bench prompts x 64 tokens (`pipelines.retrain.evaluate_draft`): the
-    auto policy ran at 1.10-1.15x plain where the tuned tree on every round ran 1.26-1.28x; with 0.02,
-    1.14-1.17x beside 1.14-1.20x.
+    tens of rounds, and with 0.1 (~10 rounds) they handed whole requests to plain or chain, which left the policy
+    well under the tree it should have kept running (the measurements: docs/experiments.md, the demo's runs).
     """
 
     def __init__(self, modes=MODES, explore_every: int = 16, alpha: float = 0.02, warmup_rounds: int = 2,
