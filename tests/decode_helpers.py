@@ -64,3 +64,38 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class IdTokenizer:
+    """What the serving engine needs of a tokenizer, for targets without one: token ids as `<id>` text, no eos."""
+
+    eos_token_id = None
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in tokens)
+
+
+def run_engine(engine, requests: list[tuple], timeout: float = 120.0) -> list:
+    """Submit (prompt ids, max tokens, SamplingConfig, seed) requests to a serving `Engine` at once, wait for every
+    final event (done or error) and close the engine; the final events in request order."""
+    import threading
+
+    from pipelines.serve.engine import GenerationRequest
+
+    done, finished = {}, threading.Semaphore(0)
+
+    def on_event(i):
+        def handle(event):
+            if event.kind != "delta":
+                done[i] = event
+                finished.release()
+        return handle
+
+    try:
+        for i, (prompt, max_tokens, sampling, seed) in enumerate(requests):
+            engine.submit(GenerationRequest(prompt, max_tokens, sampling, on_event(i), seed=seed))
+        for _ in requests:
+            assert finished.acquire(timeout=timeout), "the engine did not finish every request in time"
+    finally:
+        engine.close()
+    return [done[i] for i in range(len(requests))]

@@ -3,12 +3,12 @@ defer the draft's update exactly; rows join and leave; the engine (no Ray) switc
 round while requests join mid-flight still returns plain decoding for every request -- greedy, and sampled:
 a seed means the same tokens with or without speculation, in any mode and any batch."""
 
-import threading
 
 import pytest
 import torch
 
-from decode_helpers import damped_tiny_llama, echo_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
+from decode_helpers import (IdTokenizer, damped_tiny_llama, echo_draft, random_prompts, run_engine,  # noqa: F401
+                            single_thread)  # (autouse fixture)
 from eagle_core.decoding import DecodingState
 from eagle_core.generate import generate
 from eagle_core.target import make_tiny_llama
@@ -109,20 +109,13 @@ def test_decoding_under_no_grad_grows_its_caches_and_equals_plain(damped):
         assert tokens[:n] == reference[:n] and n >= 20
 
 
-class _Tokenizer:
-    eos_token_id = None
-
-    def decode(self, tokens, skip_special_tokens=True):
-        return "".join(f"<{t}>" for t in tokens)
-
-
 @pytest.mark.parametrize("context", [0, 6], ids=["no-context", "context-chain"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 def test_engine_auto_modes_and_admission_equal_plain(damped, sampling, context):
     """The engine without Ray: auto policy (every mode measured, "context" too where the tree has a context chain),
     requests arriving while others decode (ragged rows, each with its own lookup text); three extra copies of the
     first request (same seed) get its tokens whatever their rounds' modes."""
-    from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
+    from pipelines.serve.engine import Engine, EngineConfig
 
     prompts = random_prompts(6, 512, seed=9)
     if context:  # prompts that repeat a span of themselves: lookups match
@@ -130,25 +123,10 @@ def test_engine_auto_modes_and_admission_equal_plain(damped, sampling, context):
     plain = generate(damped, prompts, max_new_tokens=16, temperature=sampling.temperature, top_p=sampling.top_p,
                      top_k=sampling.top_k, seed=100).tokens
     prompts, plain, seeds = prompts + prompts[:1] * 3, plain + plain[:1] * 3, list(range(100, 106)) + [100] * 3
-    engine = Engine(damped, _Tokenizer(), echo_draft(damped),
+    engine = Engine(damped, IdTokenizer(), echo_draft(damped),
                     EngineConfig(TreeConfig(3, 4, 10, context_chain=context), max_batch_size=4, max_waiting=8,
                                  explore_every=2))
-    done, finished = {}, threading.Semaphore(0)
-
-    def on_event(i):
-        def handle(event):
-            if event.kind != "delta":
-                done[i] = event
-                finished.release()
-        return handle
-
-    try:
-        for i, p in enumerate(prompts):
-            engine.submit(GenerationRequest(p, 16, sampling, on_event(i), seed=seeds[i]))
-        for _ in prompts:
-            assert finished.acquire(timeout=120)
-    finally:
-        engine.close()
+    done = run_engine(engine, [(p, 16, sampling, seed) for p, seed in zip(prompts, seeds)])
     modes = set()
     for i in range(len(prompts)):
         assert done[i].kind == "done", done[i].text

@@ -8,12 +8,11 @@ trees accept several tokens a round (checked) and windows are crossed along acce
 """
 
 import functools
-import threading
 
 import pytest
 import torch
 
-from decode_helpers import random_prompts, single_thread  # noqa: F401 (autouse fixture)
+from decode_helpers import IdTokenizer, random_prompts, run_engine, single_thread  # noqa: F401 (autouse fixture)
 from family_helpers import REFUSED, SUPPORTED, WINDOWED, _config, tiny_family_model
 from eagle_core.draft import Eagle3Draft
 from eagle_core.families import UnsupportedTarget, check_supported
@@ -145,36 +144,14 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(family):
     assert generate(family.model, PROMPTS, **{**kw, "seed": 4}).tokens != plain  # the seed matters
 
 
-class _Tokenizer:
-    eos_token_id = None
-
-    def decode(self, tokens, skip_special_tokens=True):
-        return "".join(f"<{t}>" for t in tokens)
-
-
 def test_the_serving_engine_equals_transformers_greedy(family):
-    from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
+    from pipelines.serve.engine import Engine, EngineConfig
     from eagle_core.verify import SamplingConfig
 
-    engine = Engine(family.model, _Tokenizer(), family.draft,
+    engine = Engine(family.model, IdTokenizer(), family.draft,
                     EngineConfig(TreeConfig(4, 4, 16), max_batch_size=3, explore_every=2))
-    done, finished = {}, threading.Semaphore(0)
-
-    def on_event(i):
-        def handle(event):
-            if event.kind != "delta":
-                done[i] = event
-                finished.release()
-        return handle
-
-    try:
-        for i, p in enumerate(PROMPTS):
-            engine.submit(GenerationRequest(p, NEW, SamplingConfig(), on_event(i)))
-        for _ in PROMPTS:
-            assert finished.acquire(timeout=120)
-    finally:
-        engine.close()
-    assert [done[i].token_ids for i in range(len(PROMPTS))] == family.reference
+    done = run_engine(engine, [(p, NEW, SamplingConfig(), None) for p in PROMPTS])
+    assert [event.token_ids for event in done] == family.reference
 
 
 @pytest.mark.parametrize("name", WINDOWED)

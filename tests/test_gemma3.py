@@ -3,12 +3,11 @@ Gemma's turn format. Loaded from the suite's model cache (CI's starts empty, so 
 past its 512-token sliding window, with the draft shipped for it, equal to transformers' greedy in fp32."""
 
 import json
-import threading
 
 import pytest
 import torch
 
-from decode_helpers import single_thread  # noqa: F401 (autouse fixture)
+from decode_helpers import run_engine, single_thread  # noqa: F401 (autouse fixture)
 from eagle_core.checkpoint import DraftTargetMismatch, load_draft
 from eagle_core.chat import prompt_ids
 from eagle_core.generate import generate
@@ -69,7 +68,7 @@ def test_decoding_past_the_sliding_window_equals_transformers_greedy(gemma3, lon
 
 
 def test_the_serving_engine_decodes_past_the_window_as_transformers(gemma3, long_prompt):
-    from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
+    from pipelines.serve.engine import Engine, EngineConfig
     from eagle_core.verify import SamplingConfig
 
     model, tokenizer = gemma3
@@ -77,18 +76,7 @@ def test_the_serving_engine_decodes_past_the_window_as_transformers(gemma3, long
                                do_sample=False)[0, len(long_prompt):].tolist()
     draft = load_draft(shipped_draft(GEMMA3_NAME), target=model).eval()
     engine = Engine(model, tokenizer, draft, EngineConfig(TreeConfig(8, 2, 8), max_batch_size=2))
-    done, finished = [], threading.Event()
-
-    def on_event(event):
-        if event.kind != "delta":
-            done.append(event)
-            finished.set()
-
-    try:
-        engine.submit(GenerationRequest(long_prompt, NEW, SamplingConfig(), on_event))
-        assert finished.wait(timeout=300)
-    finally:
-        engine.close()
+    done = run_engine(engine, [(long_prompt, NEW, SamplingConfig(), None)], timeout=300)
     tokens = done[0].token_ids
     assert done[0].kind == "done" and tokens == reference[:len(tokens)]
     assert len(tokens) == NEW or tokens[-1] in engine.eos  # the whole answer, or up to the end of sequence
