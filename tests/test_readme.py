@@ -97,3 +97,11 @@ def test_the_quick_start_runs(capsys):
     assert re.search(r"tau \d\.\d\d tokens per target forward", out), out
     assert len(out.splitlines()[0]) > 0
 
+
+@pytest.mark.parametrize("path", [README, *DOCS, ROOT / "bench/results/README.md"], ids=lambda p: p.name)
+def test_every_relative_link_resolves(path):
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        if "://" not in target and not (path.parent / target).exists():
+            missing.append(target)
+    assert not missing, missing
