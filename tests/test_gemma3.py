@@ -61,10 +61,12 @@ def test_decoding_past_the_sliding_window_equals_transformers_greedy(gemma3, lon
                  .tolist() for p in (long_prompt, short)]
     draft = load_draft(shipped_draft(GEMMA3_NAME), target=model).eval()
     assert generate(model, [long_prompt, short], max_new_tokens=NEW).tokens == reference
+    accepted = 0
     for mode, tree in (("tree", TreeConfig(8, 3, 16)), ("chain", TreeConfig.chain(3))):
         spec = generate(model, [long_prompt, short], draft=draft, tree=tree, mode=mode, max_new_tokens=NEW)
         assert spec.tokens == reference, mode
-    assert spec.stats[0].tau > 1.0  # the draft's guesses were accepted on the long context
+        accepted += sum(spec.stats[0].accept_lengths)
+    assert accepted > 0  # the draft's guesses were accepted on the long context: paths crossed the window
 
 
 def test_the_serving_engine_decodes_past_the_window_as_transformers(gemma3, long_prompt):
