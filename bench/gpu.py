@@ -175,7 +175,7 @@ def target_config(name: str, tiny: bool):
     class_name, shape = TARGETS[name]
     shape = {**shape, **TINY_SHAPE} if tiny else shape
     config = getattr(transformers, class_name)(**shape)
-    config._attn_implementation = "sdpa"  # what eagle_core's decoding runs on (eagle_core.kv.our_attention)
+    config._attn_implementation = "sdpa"  # what eagle_core's decoding runs on (eagle_core.attention.our_attention)
     return config
 
 

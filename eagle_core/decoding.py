@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_core.kv import DraftKV, TargetKV, attention_allowed, causal_mask, lm_logits, target_forward
+from eagle_core.attention import attention_allowed, causal_mask
+from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_core.kv import DraftKV, attention_allowed
+from eagle_core.attention import attention_allowed
+from eagle_core.kv import DraftKV
 
 
 @dataclass

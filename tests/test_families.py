@@ -158,11 +158,11 @@ def test_the_serving_engine_equals_transformers_greedy(family):
 def test_ignoring_the_window_would_change_the_tokens(name, monkeypatch):
     """The matrix above is not vacuous: with every layer attending to the whole past (what the decoder did before
     it honoured windows and chunks), these targets' tokens differ from transformers'."""
-    import eagle_core.kv
+    import eagle_core.attention
 
     model = tiny_family_model(name)
     reference = [hf_greedy(model, p) for p in PROMPTS]
-    monkeypatch.setattr(eagle_core.kv, "restrict_to_span", lambda allowed, rule, positions: allowed)
+    monkeypatch.setattr(eagle_core.attention, "restrict_to_span", lambda allowed, rule, positions: allowed)
     assert generate(model, PROMPTS, max_new_tokens=NEW).tokens != reference
 
 

@@ -6,7 +6,8 @@ import torch
 from decode_helpers import random_prompts, single_thread  # noqa: F401 (autouse fixture)
 from eagle_core.decoding import prefill
 from eagle_core.generate import generate
-from eagle_core.kv import TargetKV, _transformers_attention
+from eagle_core.attention import _transformers_attention
+from eagle_core.kv import TargetKV
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import tree_from_parents
 from eagle_core.verify import (SamplingConfig, accept_greedy, accept_sampling, target_probs, verify_tree)
@@ -79,7 +80,7 @@ def test_a_cpu_tree_verification_attends_without_repeating_the_cache_and_equals_
     """A tree verification on CPU takes SDPA's grouped-query path in every layer and its logits equal those of
     transformers' own SDPA forward of the same tree bit for bit; the model keeps SDPA for everything else
     (`generate` of transformers, the benchmark's baseline)."""
-    import eagle_core.kv as kv_module
+    import eagle_core.attention as kv_module
 
     calls = []
     original = kv_module.use_gqa_sdpa

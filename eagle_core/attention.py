@@ -1,0 +1,167 @@
+"""The target's attention in decoding: masks over the ragged cache, per layer kind, and the SDPA call on CPUs.
+
+`attention_allowed` / `causal_mask` say which cached and new entries each new query sees (`eagle_core.kv`'s
+layout); `forward_masks` turns that into one additive mask per attention kind the target's layers use (full,
+sliding window, chunk: `eagle_core.families`), and `per_layer_masks` hands each layer its own. `our_attention`
+routes a forward's SDPA calls through `_transformers_attention`, which skips transformers' repeated KV heads on
+CPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+
+
+def to_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask of a bool one (0 = may attend, dtype min = may not): what both the SDPA and the eager
+    attention of transformers accept; the finite minimum keeps a fully masked row finite."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def restrict_to_span(allowed: torch.Tensor, rule, position_ids: torch.Tensor) -> torch.Tensor:
+    """`allowed` [B, 1, S, P+S] narrowed to a sliding window or a chunk (`families.LayerAttention`).
+
+    Committed slot s holds the token at position s; the S new entries are at `position_ids` [B, S], a tree's
+    nodes at their depth along their own path, so a node's window counts the positions of its own ancestors."""
+    from eagle_core.families import CHUNKED, SLIDING
+
+    past = allowed.shape[-1] - position_ids.shape[1]
+    slots = torch.arange(past, device=position_ids.device)[None].expand(position_ids.shape[0], past)
+    key_pos = torch.cat([slots, position_ids], dim=1)[:, None, :]  # [B, 1, P+S]
+    query_pos = position_ids[:, :, None]  # [B, S, 1]
+    if rule.kind == SLIDING:
+        inside = query_pos - key_pos < rule.span
+    elif rule.kind == CHUNKED:
+        inside = torch.div(query_pos, rule.span, rounding_mode="floor") == torch.div(key_pos, rule.span,
+                                                                                    rounding_mode="floor")
+    else:
+        return allowed
+    return allowed & inside[:, None]
+
+
+_RULES: dict = {}  # id(config) -> (weak reference to it, `_layer_rules`): transformers configs are unhashable
+
+
+def layer_rules(config) -> tuple:
+    """(rules per layer, the most common rule, temperature-tuning bound) of a target config (`eagle_core.families`),
+    computed once per config object."""
+    from eagle_core.families import layer_attention, temperature_tuning_limit
+
+    ref, rules = _RULES.get(id(config), (None, None))
+    if ref is None or ref() is not config:
+        per_layer = tuple(layer_attention(config))
+        rules = per_layer, max(set(per_layer), key=per_layer.count), temperature_tuning_limit(config)
+        _RULES[id(config)] = (weakref.ref(config), rules)
+    return rules
+
+
+@contextlib.contextmanager
+def per_layer_masks(decoder, rules, masks: dict):
+    """Within it, every decoder layer whose rule differs from the one the whole forward was given attends with its
+    own mask: a pre-hook swaps the `attention_mask` the model passes the layer. One mechanism for every family,
+    whether its forward routes one mask per layer kind (Gemma, Qwen2, gpt-oss, Llama 4) or one mask for all."""
+    handles = []
+
+    def swap(mask):
+        def hook(_module, args, kwargs):
+            if "attention_mask" not in kwargs:
+                raise TypeError(f"{type(_module).__name__} takes its attention mask positionally; the decoder cannot "
+                                "give its layers their own masks")
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+        return hook
+
+    try:
+        for layer, rule in zip(decoder.layers, rules):
+            if rule in masks:
+                handles.append(layer.register_forward_pre_hook(swap(masks[rule]), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def use_gqa_sdpa(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether `_transformers_attention` calls SDPA with `enable_gqa` itself: a CPU query [B, H, S, D] of 2+ tokens
+    with a mask (a tree's verify, a ragged catch-up, a prefill).
+
+    There transformers' SDPA path copies the whole cache per layer to repeat the kv heads (it passes `enable_gqa`
+    only without a mask, for CUDA's sake); SDPA's own grouped-query support on a CPU gives the same values bit for
+    bit, in float32 and bfloat16, without the copy. Measured with torch 2.13 (one SmolLM2 layer's attention, 17
+    queries over 400 cached, 2-core avx512_bf16 EPYC): 0.23 vs 0.30 ms bf16, 0.30 vs 0.41 ms fp32; a whole bf16
+    verify forward of 17 tokens 97 vs 115 ms against the two-matmul attention this replaced (docs/DESIGN.md 4).
+    One query keeps transformers' path (it folds the query heads into the kv heads itself); GPUs keep it too
+    (CUDA's fused kernels take no mask with `enable_gqa`)."""
+    return query.device.type == "cpu" and query.shape[2] > 1 and attention_mask is not None
+
+
+def _transformers_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' SDPA attention (its attention-interface signature), without the repeated kv heads where
+    `use_gqa_sdpa` says so."""
+    if use_gqa_sdpa(query, attention_mask):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask[:, :, :, : key.shape[-2]],
+            dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+GQA_SDPA_ATTENTION = "eagle3_gqa_sdpa"
+
+
+@functools.lru_cache(maxsize=None)
+def _register_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GQA_SDPA_ATTENTION, _transformers_attention)
+    return GQA_SDPA_ATTENTION
+
+
+@contextlib.contextmanager
+def our_attention(decoder):
+    """Within it, a decoder loaded with SDPA attends through `_transformers_attention` (`target_forward` only:
+    `model.generate` keeps transformers' own kernels, the benchmark's baseline)."""
+    config = decoder.config
+    if config._attn_implementation != "sdpa":  # flash-attention, eager, ...: the user's choice stands
+        yield
+        return
+    config._attn_implementation = _register_attention()
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def attention_allowed(lengths: torch.Tensor, past_width: int, new_mask: torch.Tensor) -> torch.Tensor:
+    """Bool mask [B, 1, S, P+S], True = may attend (the draft contract's format)."""
+    b, s, _ = new_mask.shape
+    past = torch.arange(past_width, device=new_mask.device)[None, :] < lengths[:, None]  # [B, P]
+    past = past[:, None, :].expand(b, s, past_width)
+    return torch.cat([past, new_mask], dim=-1)[:, None]
+
+
+def causal_mask(valid: torch.Tensor) -> torch.Tensor:
+    """[B, S, S] bool: causal among the new entries, restricted to each row's valid ones.
+
+    valid: [B, S] bool (False = padding). A padding query still sees itself, so no row is fully masked.
+    """
+    s = valid.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril_()
+    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
+    return (causal[None] & valid[:, None, :]) | eye[None]
+
+
+def forward_masks(config, allowed: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(the mask the forward gets, {rule: mask} of the other layers' kinds, rules per layer): every layer attends with
+    its own kind's mask (full, sliding window, chunk); the forward gets the most common one, the other layers theirs
+    through `per_layer_masks`."""
+    rules, common, _ = layer_rules(config)
+    masks = {rule: to_bias(restrict_to_span(allowed, rule, position_ids), dtype) for rule in set(rules)}
+    return masks.pop(common), masks, rules
