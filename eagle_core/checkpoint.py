@@ -13,29 +13,8 @@ with `speculators_model_type: eagle3`, `transformer_layer_config` and `speculato
 Loading validates the draft against the target when one is given: aux layer ids, hidden sizes and vocab
 that disagree fail loudly here instead of silently costing acceptance in serving.
 
-Aux layer ids across engines (the one rule; see `AUX_ID_RULE` and tests/test_export_interop.py)
-----------------------------------------------------------------------------------------------
-Our ids index transformers' `output_hidden_states` (0 = embeddings, j = output of decoder layer j-1).
-The engines read two different keys, in two conventions:
-
-    key                                         read by                         an id s captures
-    eagle_aux_hidden_state_layer_ids (top)      vLLM (read first)               hidden_states[s]      (= ours)
-    eagle_config.eagle_aux_hidden_state_...     SGLang, SpecForge; vLLM only    SGLang/SpecForge: hidden_states[s+1]
-                                                when the top-level key is       vLLM: hidden_states[s]
-                                                absent
-
-Rule: every key is written in the convention of the engines that read it, so one folder serves all of
-them. The top-level key holds ours (only vLLM reads it, and reads it first); the nested key holds ours - 1
-(SGLang and SpecForge add 1 back). Both keys are always written, so no vLLM version reaches its fallback to
-the nested key. A marker block `eagle3_pipeline_export` records our ids and the conventions, so our loader
-never has to guess; a checkpoint without it (trained elsewhere) is read with
-`load_draft(..., convention="sglang"|"vllm")`. Folders written before this rule (nested key = ours, marker
-engine "vllm") are read right by our loader and vLLM, but SGLang captures one layer deeper from them:
-`refresh_export_config(folder)` rewrites their config.json (weights untouched).
-
-What remains engine-specific: id 0 (the embeddings) is -1 in SGLang's convention, which SpecForge refuses,
-and vLLM's Llama forward adds a residual that does not exist before layer 0; `save_draft` warns about it.
-The `speculators` layout is vLLM's only and holds drafts as wide as their target (`export_speculators`).
+Aux layer ids across engines: `eagle_core/engine_ids.py` (the rule and its tables); the EAGLE-3 folder holds
+both keys, each in the convention of the engines that read it.
 """
 
 from __future__ import annotations
@@ -49,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_core.draft import DraftConfig, Eagle3Draft
+from eagle_core.engine_ids import (AUX_ID_RULE, CONVENTIONS, KEY_CONVENTIONS, check_ids_for_engine, from_engine_ids,
+                                   to_engine_ids)
 from eagle_core.target import local_folder
 from eagle_core.vocab import check_vocab_mapping
 
@@ -58,14 +39,6 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 OUR_KEY = "eagle3_pipeline"
 EXPORT_KEY = "eagle3_pipeline_export"  # marker: our ids and the convention of each aux-id key
-ENGINES = ("vllm", "sglang", "specforge")
-CONVENTIONS = ("ours", "vllm", "sglang", "specforge")  # vllm == ours; specforge == sglang
-# The convention each aux-id key of an EAGLE-3 folder is written in (the rule above).
-KEY_CONVENTIONS = {"eagle_aux_hidden_state_layer_ids": "vllm",
-                   "eagle_config.eagle_aux_hidden_state_layer_ids": "sglang"}
-AUX_ID_RULE = ("top-level eagle_aux_hidden_state_layer_ids: output_hidden_states index, read by vLLM; "
-               "eagle_config.eagle_aux_hidden_state_layer_ids: index - 1 (the decoder layer whose output is "
-               "captured), read by SGLang and SpecForge, which add 1 back")
 # Short target names that no engine can resolve, mapped to the hub model they were made from.
 RESOLVABLE_VERIFIERS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -101,25 +74,6 @@ def _layer_fields(cfg: DraftConfig) -> dict:
     if cfg.rope_scaling:
         fields["rope_scaling"] = dict(cfg.rope_scaling)
     return fields
-
-
-def to_engine_ids(aux_layer_ids, engine: str) -> list[int]:
-    """Our aux ids (output_hidden_states indices) in `engine`'s convention ("vllm": as ours; "sglang" and
-    "specforge": ours - 1, the decoder layer whose output is captured)."""
-    if engine == "vllm":
-        return [int(i) for i in aux_layer_ids]
-    if engine in ("sglang", "specforge"):
-        return [int(i) - 1 for i in aux_layer_ids]  # SGLang/SpecForge name the layer whose output is captured
-    raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES}")
-
-
-def from_engine_ids(ids, convention: str) -> list[int]:
-    """Ids written in `convention` as ours (output_hidden_states indices); inverse of `to_engine_ids`."""
-    if convention in ("ours", "vllm"):
-        return [int(i) for i in ids]
-    if convention in ("sglang", "specforge"):
-        return [int(i) + 1 for i in ids]
-    raise ValueError(f"unknown aux layer id convention {convention!r}: expected one of {CONVENTIONS}")
 
 
 def _dtype_name(dtype) -> str:
@@ -291,27 +245,6 @@ def _write(folder, config: dict, tensors: dict) -> Path:
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return folder
-
-
-def check_ids_for_engine(aux_layer_ids, engine: str | None = None) -> None:
-    """Warn (engine None: any engine) or refuse (a named engine) aux ids that engine cannot capture.
-
-    Id 0 (the embeddings) is the one id not every engine can take: it is -1 in SGLang's convention, which
-    SpecForge's id validation refuses, and vLLM's Llama forward adds a residual that does not exist yet before
-    decoder layer 0. SGLang itself captures it (its -1 + 1 = 0, the input of layer 0).
-    """
-    if engine is not None and engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: expected one of {ENGINES} (or None for all of them)")
-    if 0 not in [int(i) for i in aux_layer_ids]:
-        return
-    unable = {"vllm": "vLLM's Llama forward adds a residual that is None before layer 0",
-              "specforge": "SpecForge refuses the id -1 that names it in its convention"}
-    if engine in unable:
-        raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} include 0 (the embeddings), which {engine} cannot "
-                         f"capture: {unable[engine]}; train with ids >= 1")
-    if engine is None:
-        warnings.warn(f"aux_layer_ids {list(aux_layer_ids)} include 0 (the embeddings): SGLang and our serving "
-                      "capture it, vLLM and SpecForge cannot (" + "; ".join(unable.values()) + ")", stacklevel=3)
 
 
 def save_draft(draft: Eagle3Draft, folder, dtype: torch.dtype | None = None,

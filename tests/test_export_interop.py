@@ -17,13 +17,12 @@ from eagle_core.checkpoint import (
     OUR_KEY,
     eagle3_config_from,
     export_speculators,
-    from_engine_ids,
     load_draft,
     refresh_export_config,
     resolve_verifier,
     save_draft,
-    to_engine_ids,
 )
+from eagle_core.engine_ids import from_engine_ids, to_engine_ids
 from eagle_core.draft import Eagle3Draft
 from eagle_core.target import default_aux_layer_ids, make_tiny_llama, record_hidden_states
 from eagle_core.vocab import build_vocab_mapping
