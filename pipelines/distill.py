@@ -86,7 +86,8 @@ ANSWERS = ("corpus", "regenerated", "mix")
 
 def iter_messages(corpus: str):
     """The well-formed conversations of a corpus file in order, as message lists (malformed rows skipped)."""
-    from pipelines.data import QuarantineError, iter_file_records, normalize_record, resolve_corpus_url
+    from pipelines.data import iter_file_records, resolve_corpus_url
+    from pipelines.records import QuarantineError, normalize_record
 
     for record, error, _ in iter_file_records(resolve_corpus_url(corpus)):
         if error:

@@ -44,8 +44,8 @@ def count_corpus(corpus: str, tokenizer, max_length: int, limit: int | None = No
     template, cut at `max_length`: the first `sample_rows` usable rows are tokenized, the rest counted and scaled.
     A tokenizer without a chat template raises NoChatTemplateError (nothing could be extracted)."""
     from eagle_core.chat import NoChatTemplateError, TemplateError, tokenize_conversation
-    from pipelines.data import QuarantineError, iter_file_records, list_corpus_files, normalize_record, \
-        resolve_corpus_url
+    from pipelines.data import iter_file_records, list_corpus_files, resolve_corpus_url
+    from pipelines.records import QuarantineError, normalize_record
 
     read = rows = sampled = tokens = loss_tokens = unsampled = 0
     for path in list_corpus_files(resolve_corpus_url(corpus)):

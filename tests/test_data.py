@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.data import (ingest, iter_file_records, load_mtbench_questions, normalize_record, parse_file,
-                            QuarantineError, spread_indices)
+from pipelines.data import ingest, iter_file_records, load_mtbench_questions, parse_file, spread_indices
+from pipelines.records import QuarantineError, normalize_record
 
 
 def sharegpt(i, *turns):
@@ -254,7 +254,7 @@ def test_tool_and_reasoning_turns_normalise_to_openai_format():
     for row_id, reason in reasons.items():
         with pytest.raises(QuarantineError, match=reason):
             normalize_record(by_id[row_id])
-            from pipelines.data import record_tools
+            from pipelines.records import record_tools
             record_tools(by_id[row_id])
 
 
