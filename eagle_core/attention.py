@@ -77,7 +77,7 @@ def per_layer_masks(decoder, rules, masks: dict):
         return hook
 
     try:
-        for layer, rule in zip(decoder.layers, rules):
+        for layer, rule in zip(decoder.layers, rules) if masks else ():  # one kind for every layer: nothing to swap
             if rule in masks:
                 handles.append(layer.register_forward_pre_hook(swap(masks[rule]), with_kwargs=True))
         yield

@@ -288,12 +288,20 @@ def materialize_hf_folder(name_or_path: str | os.PathLike) -> Path:
 
 
 def _checked(folder: Path) -> Path:
+    """`folder`, once its config passed `families.check_supported` (read once per config file and version: a job
+    resolves its target several times)."""
+    config = Path(folder) / "config.json"
+    _check_config(str(config.resolve()), config.stat().st_mtime_ns)
+    return folder
+
+
+@functools.lru_cache(maxsize=64)
+def _check_config(path: str, _mtime_ns: int) -> None:
     from transformers import AutoConfig
 
     from eagle_core.families import check_supported
 
-    check_supported(AutoConfig.from_pretrained(folder))
-    return folder
+    check_supported(AutoConfig.from_pretrained(Path(path).parent))
 
 
 def _looks_like_hub_id(spec: str) -> bool:
