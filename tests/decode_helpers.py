@@ -99,3 +99,19 @@ def run_engine(engine, requests: list[tuple], timeout: float = 120.0) -> list:
     finally:
         engine.close()
     return [done[i] for i in range(len(requests))]
+
+
+def drafted_batch(seed: int = 1):
+    """A tiny float64 target, a random draft and 3 prompts prefilled into both caches, the draft extended up to
+    roots 7, 8, 9: (draft, draft cache, the draft's hidden states for tree building, roots)."""
+    from eagle_core.decoding import draft_extend, prefill
+    from eagle_core.kv import DraftKV, TargetKV
+
+    target = make_tiny_llama(dtype=torch.float64)
+    draft = random_draft(target, draft_vocab_size=300)
+    prompts = random_prompts(3, 512, seed=seed)
+    kv, dkv = TargetKV(3, "cpu"), DraftKV(3, "cpu")
+    _, aux, ids, lengths = prefill(target, kv, prompts, list(draft.config.aux_layer_ids))
+    root = torch.tensor([7, 8, 9])
+    nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lengths - 1)[:, None], root[:, None])
+    return draft, dkv, draft_extend(draft, dkv, aux, nxt, lengths), root

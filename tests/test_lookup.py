@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from decode_helpers import random_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
+from decode_helpers import drafted_batch, single_thread  # noqa: F401 (autouse fixture)
 from eagle_core.decoding import context_yield
 from eagle_core.lookup import MAX_NGRAM, MIN_NGRAM, ContextIndex
 from eagle_core.tree import NO_TOKEN, TreeConfig, draft_accept_length, graft_chain, tree_from_parents
@@ -94,19 +94,10 @@ def test_a_grafted_chain_merges_into_the_tree_then_branches():
 
 @torch.inference_mode()
 def test_grafting_onto_a_drafted_tree_keeps_the_draft_tree_and_every_chain_token_on_one_path():
-    from eagle_core.decoding import draft_extend, prefill
-    from eagle_core.kv import DraftKV, TargetKV
-    from eagle_core.target import make_tiny_llama
     from eagle_core.tree import draft_tree
 
-    target = make_tiny_llama(dtype=torch.float64)
-    draft = random_draft(target, draft_vocab_size=300)
-    prompts = random_prompts(3, 512, seed=1)
-    kv, dkv = TargetKV(3, "cpu"), DraftKV(3, "cpu")
-    _, aux, ids, lengths = prefill(target, kv, prompts, list(draft.config.aux_layer_ids))
-    root = torch.tensor([7, 8, 9])
-    nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lengths - 1)[:, None], root[:, None])
-    tree = draft_tree(draft, dkv, draft_extend(draft, dkv, aux, nxt, lengths), root, TreeConfig(4, 3, 12))
+    draft, dkv, hidden, root = drafted_batch()
+    tree = draft_tree(draft, dkv, hidden, root, TreeConfig(4, 3, 12))
     # chains that start along the draft's best path, then leave it
     best = [tree.tokens[b, 1].item() for b in range(3)]
     chain = torch.tensor([[best[0], 5, 6, 7, 8], [11, 12, 13, NO_TOKEN, NO_TOKEN], [best[2], 14, 15, 16, 17]])

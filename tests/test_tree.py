@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from decode_helpers import random_draft, random_prompts, single_thread  # noqa: F401 (autouse fixture)
-from eagle_core.decoding import draft_extend, prefill
-from eagle_core.kv import DraftKV, TargetKV
-from eagle_core.target import make_tiny_llama
+from decode_helpers import drafted_batch, single_thread  # noqa: F401 (autouse fixture)
+from eagle_core.decoding import draft_extend
+from eagle_core.kv import DraftKV
 from eagle_core.tree import TreeConfig, ancestor_matrix, draft_tree
 
 
@@ -34,15 +33,7 @@ def test_ancestor_matrix_equals_parent_walk():
 
 @pytest.fixture(scope="module")
 def setup():
-    target = make_tiny_llama(dtype=torch.float64)
-    draft = random_draft(target, draft_vocab_size=300)
-    prompts = random_prompts(3, 512, seed=1)
-    kv, dkv = TargetKV(3, "cpu"), DraftKV(3, "cpu")
-    _, aux, ids, lengths = prefill(target, kv, prompts, list(draft.config.aux_layer_ids))
-    root = torch.tensor([7, 8, 9])
-    nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lengths - 1)[:, None], root[:, None])
-    hidden = draft_extend(draft, dkv, aux, nxt, lengths)
-    return draft, dkv, hidden, root
+    return drafted_batch()
 
 
 @pytest.mark.parametrize("config", [TreeConfig(4, 4, 20), TreeConfig(3, 5, 40), TreeConfig.chain(5),
