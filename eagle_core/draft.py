@@ -15,8 +15,6 @@ attention, so both paths run the very same weights and rotary code.
 
 from __future__ import annotations
 
-import copy
-import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -219,15 +217,6 @@ def rotary_embedding(cfg: DraftConfig):
         raise ValueError(f"unsupported rope_scaling {cfg.rope_scaling!r}: {e}") from e
 
 
-@torch.no_grad()
-def effective_norm_weight(norm: nn.Module, cfg: DraftConfig) -> torch.Tensor:
-    """The per-channel scale a target's final RMSNorm applies, as our RMSNorm's weight: read off its output on a
-    vector of ones (whose RMS is 1), so a Gemma norm that scales by (1 + weight) is carried over right too."""
-    probe = copy.deepcopy(norm).float()  # the target's own module stays in its dtype
-    ones = torch.ones(1, cfg.hidden_size, dtype=torch.float32, device=next(probe.parameters()).device)
-    return probe(ones)[0] * math.sqrt(1 + cfg.rms_norm_eps)
-
-
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -317,8 +306,10 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t.to(torch.long))
         self.t2d.copy_(t2d.to(torch.bool))
 
-    def init_lm_head_from_target(self, target_lm_head_weight: torch.Tensor, target_norm_weight=None):
-        """Copy the target's lm_head rows for the draft vocab (and its final norm, when given).
+    def init_lm_head_from_target(self, target_lm_head_weight: torch.Tensor, target_norm_weight=None,
+                                 target_config=None):
+        """Copy the target's lm_head rows for the draft vocab (and its final norm, when given: its per-channel scale,
+        `families.norm_scale`, which needs the target's config).
 
         Call after `set_vocab`: the rows picked depend on `d2t`.
         """
@@ -328,7 +319,9 @@ class Eagle3Draft(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(target_lm_head_weight.detach()[rows.to(target_lm_head_weight.device)])
             if target_norm_weight is not None:
-                self.norm.weight.copy_(target_norm_weight.detach())
+                from eagle_core.families import norm_scale
+
+                self.norm.weight.copy_(norm_scale(target_config, target_norm_weight.detach()))
 
     @classmethod
     def from_target(cls, target, config: DraftConfig | None = None, d2t=None, t2d=None, **config_kw):
@@ -345,7 +338,7 @@ class Eagle3Draft(nn.Module):
         if config.lm_head_init == "target":
             norm = getattr(getattr(target, "model", target), "norm", None)
             draft.init_lm_head_from_target(target.get_output_embeddings().weight,
-                                           None if norm is None else effective_norm_weight(norm, config))
+                                           None if norm is None else norm.weight, target.config)
         return draft
 
     # -- the layer, split so that TTT can bring its own attention --------------------------------

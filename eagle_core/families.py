@@ -54,6 +54,16 @@ _FAMILY_NAMES = {
 }
 
 
+# Families whose RMSNorm scales by (1 + weight) rather than by weight.
+_NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "recurrent_gemma"}
+
+
+def norm_scale(config, weight):
+    """The per-channel scale the target's RMSNorm applies with `weight` (what our RMSNorm's weight must be to
+    normalise alike): Gemma's norms scale by (1 + weight)."""
+    return weight + 1 if getattr(config, "model_type", None) in _NORM_PLUS_ONE else weight
+
+
 class UnsupportedTarget(ValueError):
     """The target's family has a feature our decoder does not reproduce; the message names both."""
 

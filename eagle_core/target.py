@@ -137,10 +137,6 @@ def named_gguf_path(name: str = SMOLLM2_NAME) -> Path:
     return path
 
 
-def smollm2_gguf_path() -> Path:
-    return named_gguf_path(SMOLLM2_NAME)
-
-
 def _file_digest(path: Path, limit: int = 1 << 20) -> str:
     """Cheap content key: size plus hash of the first and last MiB."""
     h = hashlib.sha256(str(path.stat().st_size).encode())

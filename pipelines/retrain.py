@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from eagle_core.tree import TreeConfig
 from pipelines.console import progress
 from pipelines.registry import (CANDIDATE, CHAMPION, PromotionLease, alias_version,  # noqa: F401 (re-exported)
-                                decide_promotion, rollback)
+                                client as registry_client, decide_promotion, rollback)
 from pipelines.storage import exists, join, read_bytes, resolve_source
 
 
@@ -142,19 +142,13 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
 # Registry
 # --------------------------------------------------------------------------------------------------
 
-def _client():
-    from pipelines import tracking
-
-    return tracking.configure().tracking.MlflowClient()
-
-
 def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experiment: str = "eagle3-retrain",
                           run_name: str = "register-draft") -> int:
     """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
     with `alias`; returns the new version."""
     from pipelines import tracking
 
-    client = _client()
+    client = registry_client()
     run_id = client.create_run(tracking.ensure_experiment(experiment), run_name=run_name).info.run_id
     client.log_param(run_id, "source", str(folder))
     client.log_artifacts(run_id, str(folder), "draft")
@@ -320,7 +314,7 @@ def run_retrain(config: RetrainConfig) -> dict:
     corpus_rows = config.corpus_rows or (count_corpus_rows(config.corpus) if any(s <= 1 for s in config.scales) else 0)
     scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
     prompts = load_eval_prompts(config.eval_prompts, config.eval_count)
-    client = _client()
+    client = registry_client()
     experiment_id = tracking.ensure_experiment(config.mlflow_experiment)
     parent = client.create_run(experiment_id, run_name="retrain").info.run_id
     for key, value in config.to_dict().items():

@@ -104,6 +104,19 @@ def test_our_logits_are_the_targets(family):
     torch.testing.assert_close(lm_logits(family.model, batch["last_hidden"]), out.logits, rtol=0, atol=0)
 
 
+def test_a_draft_from_the_targets_head_normalises_as_the_target(family):
+    """`lm_head_init="target"` copies the target's final norm as its per-channel scale (Gemma's scales by
+    1 + weight), so the draft's head starts where the target's is."""
+    model = tiny_family_model(family.name)  # a copy of its own: its norm weight is set away from its init value
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.1 * torch.randn(model.model.norm.weight.shape,
+                                                       generator=torch.Generator().manual_seed(1)))
+    draft = Eagle3Draft.from_target(model, draft_vocab_size=model.config.vocab_size, lm_head_init="target")
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(draft.norm(x), model.model.norm(x))
+
+
 def test_ttt_trains_and_the_draft_saves_loads_and_exports(family, tmp_path):
     from eagle_core.checkpoint import export_speculators, load_draft, save_draft
 

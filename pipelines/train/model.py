@@ -82,7 +82,7 @@ def build_draft(config: TrainJobConfig, tconfig, heads: dict, d2t, t2d, lineage:
     draft = Eagle3Draft(cfg, heads["embed"] if cfg.embeds_from_target else None).to(heads["embed"].device)
     draft.set_vocab(d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))
     if cfg.lm_head_init == "target":
-        draft.init_lm_head_from_target(heads["lm_head"], heads["norm"])
+        draft.init_lm_head_from_target(heads["lm_head"], heads["norm"], tconfig)
     if config.init_from:
         warm_start(draft, config.init_from)
     return draft
