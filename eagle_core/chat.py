@@ -27,6 +27,7 @@ callers quarantine row by row; a tokenizer without any template raises `NoChatTe
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 
 Message = dict  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...} (OpenAI chat format)
@@ -147,6 +148,19 @@ def _locate(text: str, content: str, start: int, end: int | None = None) -> tupl
     return None
 
 
+_PER_TOKENIZER = weakref.WeakKeyDictionary()  # tokenizer -> (its chat template, `_special_strings`, `end_of_turn_text`)
+
+
+def _template_facts(tokenizer) -> tuple[list[str], str | None]:
+    """(`_special_strings`, `end_of_turn_text`) of a tokenizer, worked out once per tokenizer and chat template:
+    every conversation of a corpus needs them, and the end of turn costs a render."""
+    facts = _PER_TOKENIZER.get(tokenizer)
+    if facts is None or facts[0] != tokenizer.chat_template:
+        specials = _special_strings(tokenizer)
+        facts = _PER_TOKENIZER[tokenizer] = (tokenizer.chat_template, specials, _end_of_turn(tokenizer, specials))
+    return facts[1], facts[2]
+
+
 def _special_strings(tokenizer) -> list[str]:
     strings = set(tokenizer.all_special_tokens)
     strings.update(tok.content for tok in tokenizer.added_tokens_decoder.values() if tok.special)
@@ -162,6 +176,10 @@ def _special_token_ids(tokenizer) -> set[int]:
 def end_of_turn_text(tokenizer) -> str | None:
     """The special token the template writes right after an assistant reply (`<|im_end|>`, `<|eot_id|>`, ...),
     found by rendering a probe conversation; None when the template closes a turn with no special token."""
+    return _template_facts(tokenizer)[1]
+
+
+def _end_of_turn(tokenizer, specials: list[str]) -> str | None:
     text = render_chat(tokenizer, [{"role": "user", "content": _PROBE_QUESTION},
                                    {"role": "assistant", "content": _PROBE_ANSWER}])
     at = text.find(_PROBE_ANSWER)
@@ -169,7 +187,7 @@ def end_of_turn_text(tokenizer) -> str | None:
         return None
     after = text[at + len(_PROBE_ANSWER):]
     stripped = after.lstrip()
-    for special in _special_strings(tokenizer):
+    for special in specials:
         if stripped.startswith(special):
             return special
     return None
@@ -254,7 +272,7 @@ def _assistant_pieces(text: str, message: Message, start: int, index: int,
 
 
 def _turn_spans(text: str, messages: list[Message], tokenizer, tools, end_of_turn: str | None) -> list[tuple[int, int]]:
-    specials = _special_strings(tokenizer)
+    specials = _template_facts(tokenizer)[0]
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
