@@ -21,7 +21,7 @@ draft's output hidden state of its parent's entry (EAGLE's own-feature recursion
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -188,19 +188,13 @@ def graft_chain(tree: Tree, chain: torch.Tensor) -> Tree:
         parents.append(torch.where(grafted, cur, 0))
         tokens.append(torch.where(grafted, token, NO_TOKEN))
         cur = torch.where(found, child.long().argmax(dim=-1), torch.where(grafted, n + j, cur))
-    parents = torch.cat([tree.parents, torch.stack(parents, dim=1)], dim=1)  # [B, N+L]
-    anc = torch.zeros(b, n + length, n + length, dtype=torch.bool, device=device)
-    anc[:, :n, :n] = tree.ancestors
-    rows = torch.arange(b, device=device)
-    for j in range(length):  # a slot's parent precedes it: its ancestor row is complete
-        anc[:, n + j] = anc[rows, parents[:, n + j]]
-        anc[:, n + j, n + j] = True
     rank = tree.rank.max(dim=1, keepdim=True).values + 1 + torch.arange(length, device=device)[None, :]
     score = None if tree.score is None else torch.cat(
         [tree.score, torch.full((b, length), float("-inf"), dtype=tree.score.dtype, device=device)], dim=1)
-    return Tree(tokens=torch.cat([tree.tokens, torch.stack(tokens, dim=1)], dim=1), parents=parents,
-                depth=anc.sum(-1) - 1, ancestors=anc, rank=torch.cat([tree.rank, rank], dim=1), score=score,
-                draft_size=n, context=chain)
+    grafted = tree_from_parents(torch.cat([tree.tokens, torch.stack(tokens, dim=1)], dim=1),
+                                torch.cat([tree.parents, torch.stack(parents, dim=1)], dim=1),  # [B, N+L]
+                                torch.cat([tree.rank, rank], dim=1), score)
+    return replace(grafted, draft_size=n, context=chain)
 
 
 def _topk_logprobs(draft, out_hidden: torch.Tensor, k: int):
