@@ -102,16 +102,17 @@ def plan_shards(rows: list[dict], rows_per_shard: int) -> list[dict]:
 FINGERPRINT_FILE = "fingerprint.json"
 
 
-def extraction_fingerprint(config: ExtractConfig, target_config, device: str) -> dict:
+def extraction_fingerprint(config: ExtractConfig, folder, target_config, device: str) -> dict:
     """What determines a shard's bytes besides its rows (whose ids its name hashes): the target's weights, its
-    tokenizer and chat template, max_length, the hidden states' dtype on `device`, the aux layers, the
-    regeneration settings and the corpus. Not `limit`: a shard of a prefix is the same shard of the whole."""
-    from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids, resolve_dtype, weights_fingerprint
+    tokenizer and chat template (both read from the target's local `folder`), max_length, the hidden states' dtype
+    on `device`, the aux layers, the regeneration settings and the corpus. Not `limit`: a shard of a prefix is the
+    same shard of the whole."""
+    from eagle_core.target import resolve_aux_layer_ids, resolve_dtype, weights_fingerprint
     from pipelines.feature_files import tokenizer_fingerprint
 
     return {
-        "target_weights_hash": weights_fingerprint(config.target),
-        "tokenizer_hash": tokenizer_fingerprint(materialize_hf_folder(config.target)),
+        "target_weights_hash": weights_fingerprint(folder),
+        "tokenizer_hash": tokenizer_fingerprint(folder),
         "max_length": config.max_length,
         "dtype": DTYPE_NAMES[resolve_dtype(config.dtype, device)],
         "aux_layer_ids": list(resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)),
@@ -304,9 +305,10 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids
 
     started = time.perf_counter()
-    target_config = AutoConfig.from_pretrained(materialize_hf_folder(config.target))
+    folder = materialize_hf_folder(config.target)  # resolved once: a hub id or a URL is not fetched again
+    target_config = AutoConfig.from_pretrained(folder)
     device = "cuda" if _actor_resources(config)["num_gpus"] else "cpu"
-    fingerprint = extraction_fingerprint(config, target_config, device)
+    fingerprint = extraction_fingerprint(config, folder, target_config, device)
     prepare_output(config, fingerprint)  # refuses an output made differently (or empties it: overwrite)
     ingested, rows = _ingest_rows(config)
     print(f"[extract] {ingested.stats.summary()}", flush=True)
