@@ -134,17 +134,19 @@ def prepare_output(config: ExtractConfig, fingerprint: dict) -> None:
     else:
         remedy = ("Extract into another --output, or replace what is there: --overwrite (jobs/extract.py), "
                   "--extract '{\"overwrite\": true}' (jobs/retrain.py).")
-        if exists(join(config.output, FINGERPRINT_FILE)):
+        if exists(join(config.output, FINGERPRINT_FILE)):  # written before any shard: it speaks for all of them
             check_fingerprint(json.loads(read_bytes(join(config.output, FINGERPRINT_FILE))), fingerprint,
                               f"the extraction output {config.output}", remedy)
-        if exists(join(config.output, "manifest.json")):
-            from pipelines.feature_files import load_manifest
+        else:  # an output without one: its manifest and every committed shard say what made them
+            if exists(join(config.output, "manifest.json")):
+                from pipelines.feature_files import load_manifest
 
-            check_fingerprint(load_manifest(config.output).fingerprint, fingerprint,
-                              f"the extraction output {config.output} (its manifest)", remedy)
-        for name in sorted(committed_shards(config.output)):
-            summary = read_shard_summary(join(config.output, "features", f"{name}.parquet"))
-            check_fingerprint(summary.get("fingerprint"), fingerprint, f"shard {name} of {config.output}", remedy)
+                check_fingerprint(load_manifest(config.output).fingerprint, fingerprint,
+                                  f"the extraction output {config.output} (its manifest)", remedy)
+            for name in sorted(committed_shards(config.output)):
+                summary = read_shard_summary(join(config.output, "features", f"{name}.parquet"))
+                check_fingerprint(summary.get("fingerprint"), fingerprint, f"shard {name} of {config.output}",
+                                  remedy)
     commit_bytes(join(config.output, FINGERPRINT_FILE), json.dumps(fingerprint, indent=1).encode())
 
 
