@@ -43,8 +43,8 @@ def count_corpus(corpus: str, tokenizer, max_length: int, limit: int | None = No
     """Rows of a corpus (every file, in order, up to `limit` records) and their tokens under the target's chat
     template, cut at `max_length`: the first `sample_rows` usable rows are tokenized, the rest counted and scaled.
     A tokenizer without a chat template raises NoChatTemplateError (nothing could be extracted)."""
-    from eagle_core.chat import NoChatTemplateError, TemplateError, tokenize_conversation
     from pipelines.data import iter_file_records, list_corpus_files, resolve_corpus_url
+    from pipelines.distill import usable
     from pipelines.records import QuarantineError, normalize_record
 
     read = rows = sampled = tokens = loss_tokens = unsampled = 0
@@ -61,18 +61,13 @@ def count_corpus(corpus: str, tokenizer, max_length: int, limit: int | None = No
                 rows += 1
                 unsampled += 1
                 continue
-            try:
-                tok = tokenize_conversation(tokenizer, messages, max_length=max_length)
-            except NoChatTemplateError:
-                raise
-            except TemplateError:
-                continue
-            if not sum(tok.loss_mask):
+            row = usable(tokenizer, messages, max_length, 1)  # a template error skips the row, none stops
+            if row is None:
                 continue
             rows += 1
             sampled += 1
-            tokens += len(tok.input_ids)
-            loss_tokens += sum(tok.loss_mask)
+            tokens += len(row[0])
+            loss_tokens += sum(row[1])
         if limit is not None and read >= limit:
             break
     if sampled and unsampled:
