@@ -9,7 +9,9 @@ What step k sees at column t (t = 0..L-1):
     draft vocab and renormalised; the position counts when loss_mask[t+k+2] is set.
 Attention of step k at column t: the step-0 keys of columns s <= t (causal, padding removed) plus the
 keys that column t itself produced at steps 1..k (diagonal blocks). So step k needs only the step-0
-[L, L] block and k per-column dot products; the (K*L)^2 mask of the naive formulation never exists.
+[L, L] block and k per-column dot products; the (K*L)^2 mask of the naive formulation never exists. That attention
+and the draft head's loss run as blocked autograd functions (`eagle_core.ttt_ops`) that keep no [L, L] or
+[L, draft vocab] tensor for the backward.
 `ttt_forward_naive` is that naive formulation, kept as the executable definition for tests and benchmarks.
 
 Loss = sum_k 0.8**k * mean over masked positions of soft cross-entropy(target, draft). Positions whose
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from eagle_core.draft import Eagle3Draft, repeat_kv
 from eagle_core.recipe import REFERENCE
+from eagle_core.ttt_ops import soft_cross_entropy, ttt_attention
 from eagle_core.vocab import draft_ids_from_mapping
 
 NOISE_KINDS = ("none", "uniform", "gaussian")
@@ -83,20 +86,30 @@ def simulated_accept_length(step_accuracies) -> float:
 # target side (no gradient)
 
 
+TARGET_BLOCK = 512  # rows of the target's head at a time: [rows, target vocab] logits, 100 MB at 49k float32
+
+
 @torch.no_grad()
 def target_distribution(last_hidden, target_lm_head_weight, d2t):
     """The target's softmax over the draft vocab (renormalised) and its full-vocab argmax.
 
     last_hidden: [B, L, Ht] (after the target's final norm); target_lm_head_weight: [V, Ht]
     returns target_p [B, L, Vd] float32 and target_argmax [B, L] (target ids)
+    Computed a block of rows at a time, so no [B, L, V] logits tensor exists at long L.
     """
     w = target_lm_head_weight
-    hidden = last_hidden.to(w.device, w.dtype)
-    target_argmax = F.linear(hidden, w).argmax(-1)
+    hidden = last_hidden.to(w.device, w.dtype).flatten(0, 1)
     rows = draft_ids_from_mapping(d2t).to(w.device)
-    # Softmax restricted to a subset and renormalised == softmax of that subset's logits (float32).
-    target_p = torch.softmax(F.linear(hidden.float(), w[rows].float()), dim=-1)
-    return target_p, target_argmax
+    # Softmax restricted to a subset and renormalised == softmax of that subset's logits (float32). The argmax is
+    # over the head's own dtype; a float32 head gives both from one product.
+    w_rows = None if w.dtype == torch.float32 else w[rows].float()
+    p_blocks, arg_blocks = [], []
+    for h in hidden.split(TARGET_BLOCK):
+        logits = F.linear(h, w)
+        arg_blocks.append(logits.argmax(-1))
+        p_blocks.append(torch.softmax(logits[:, rows] if w_rows is None else F.linear(h.float(), w_rows), dim=-1))
+    shape = last_hidden.shape[:2]
+    return torch.cat(p_blocks).view(*shape, -1), torch.cat(arg_blocks).view(shape)
 
 
 def positions_from_mask(attention_mask):
@@ -122,26 +135,6 @@ def shift_tokens(input_ids, n):
 
 # ---------------------------------------------------------------------------------------------------
 # efficient TTT
-
-
-def ttt_attention(q, k0, v0, mask0, diag_k, diag_v):
-    """Attention of one TTT step: the causal step-0 block plus per-column diagonal entries.
-
-    q: [B, nh, L, D]; k0, v0: [B, nh, L, D] (kv heads already repeated); mask0: bool [B, 1, L, L]
-    diag_k, diag_v: the same column's keys/values of steps 1..k, each [B, nh, L, D]
-    returns [B, nh, L, D]; softmax in float32 via one log-sum-exp, so the [L, L+k] concat never exists
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores0 = (q @ k0.transpose(-1, -2)).float() * scale  # [B, nh, L, L]
-    scores0 = scores0.masked_fill(~mask0, float("-inf"))
-    lse = torch.logsumexp(scores0, dim=-1)  # [B, nh, L]
-    diag = [(q * kj).sum(-1).float() * scale for kj in diag_k]  # k x [B, nh, L]
-    if diag:
-        lse = torch.logaddexp(lse, torch.logsumexp(torch.stack(diag, -1), dim=-1))
-    out = torch.exp(scores0 - lse[..., None]).to(v0.dtype) @ v0
-    for dj, vj in zip(diag, diag_v):
-        out = out + torch.exp(dj - lse)[..., None].to(vj.dtype) * vj
-    return out
 
 
 def ttt_forward(
@@ -176,7 +169,7 @@ def ttt_forward(
     target_p, target_argmax = targets or target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
     loss_mask = loss_mask.to(target_p.dtype) * attention_mask.to(target_p.dtype)
     positions = positions_from_mask(attention_mask)
-    mask0 = step0_key_mask(attention_mask)
+    key_valid = attention_mask.bool()
     n_rep = draft.num_heads // draft.num_kv_heads
 
     if draft.training and noise is not None:
@@ -192,12 +185,24 @@ def ttt_forward(
         else:
             diag_k.append(kk)
             diag_v.append(vv)
-        hidden = draft.finish_layer(ttt_attention(q, k0, v0, mask0, diag_k, diag_v), residual)
-        logits = draft.compute_logits(hidden)  # [B, L, Vd] float32
-        # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
-        results.append((logits if return_logits else None,
-                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask, attention_mask)))
+        hidden = draft.finish_layer(ttt_attention(q, k0, v0, key_valid, diag_k, diag_v), residual)
+        # Logits are materialised only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
+        logits = draft.compute_logits(hidden) if return_logits else None
+        results.append((logits, *step_head_loss(draft, hidden, k, target_p, target_argmax, loss_mask, attention_mask)))
     return _collect(results, step_decay, return_logits, step_denominators)
+
+
+def step_head_loss(draft, hidden, k, target_p, target_argmax, loss_mask, column_mask):
+    """`step_loss` of the draft's head on `hidden` [B, L, H], computed on the counted rows only and without
+    keeping their [rows, draft vocab] logits (`ttt_ops.soft_cross_entropy`). Loss masks are 0/1."""
+    L = hidden.shape[1]
+    n = max(L - k - 2, 0)
+    counted = (loss_mask[:, k + 2:] * column_mask[:, :n].to(loss_mask.dtype)) > 0  # [B, n]
+    b, t = counted.nonzero(as_tuple=True)
+    x = draft.norm(hidden[b, t])  # [N, H]
+    loss, hits = soft_cross_entropy(x, draft.lm_head.weight, target_p[b, t + k + 1], target_argmax[b, t + k + 1],
+                                     draft.d2t)
+    return loss, hits, counted.sum().to(target_p.dtype)
 
 
 def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=None):

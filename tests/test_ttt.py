@@ -63,6 +63,37 @@ def test_efficient_ttt_matches_naive(tiny_target, padding):
         torch.testing.assert_close(fast_grads[name], slow_grads[name], **tol, msg=name)
 
 
+def test_blocked_kernels_match_naive_across_block_edges(tiny_target, monkeypatch):
+    """Attention and head blocks of 5 rows (L = 12): rows and keys split across blocks, causal ends inside them."""
+    from eagle_core import ttt_ops
+
+    monkeypatch.setattr(ttt_ops, "ATTENTION_BLOCK", 5)
+    monkeypatch.setattr(ttt_ops, "HEAD_BLOCK", 5)
+    batch = _batch(tiny_target, "left")
+    draft = _draft(tiny_target)
+    fast, fast_grads = _run(ttt_forward, draft, batch, tiny_target, steps=4)
+    slow, slow_grads = _run(ttt_forward_naive, draft, batch, tiny_target, steps=4)
+    torch.testing.assert_close(fast.step_losses, slow.step_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast.step_accuracies, slow.step_accuracies)
+    for name in fast_grads:
+        torch.testing.assert_close(fast_grads[name], slow_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_efficient_ttt_matches_naive_under_bf16_autocast(tiny_target):
+    """Training runs under bf16 autocast: the blocked kernels compute in bf16 as the layers around them do, so
+    they agree with the naive formulation to bf16 rounding, and every trainable weight gets a gradient."""
+    batch = _batch(tiny_target, "right")
+    draft = _draft(tiny_target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, fast_grads = _run(ttt_forward, draft, batch, tiny_target, steps=3)
+        slow, slow_grads = _run(ttt_forward_naive, draft, batch, tiny_target, steps=3)
+    torch.testing.assert_close(fast.step_losses, slow.step_losses, rtol=2e-2, atol=2e-2)
+    for name in fast_grads:
+        a, b = fast_grads[name].float(), slow_grads[name].float()
+        assert fast_grads[name].dtype == slow_grads[name].dtype, name
+        assert float((a - b).norm() / b.norm().clamp_min(1e-12)) < 0.05, name
+
+
 def test_step_loss_matches_its_definition_position_by_position():
     """Column t of step k: soft CE against the target at t+k+1, counted when loss_mask[t+k+2] is set."""
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,172 @@
+"""The two memory-bound pieces of a TTT step as autograd functions that keep no [L, L] or [L, vocab] tensor.
+
+`ttt_attention`: step k's attention (the causal step-0 block plus the column's own keys of steps 1..k), computed
+flash-style over blocks of query rows: the forward keeps only the output and one log-sum-exp per row; the
+backward recomputes each block's probabilities. Plain autograd keeps three [heads, L, L] float32 tensors per step
+(masked scores, their exponentials, the probabilities); at 2048 tokens and 7 steps that was about 3 GiB.
+Blocks also skip the keys above the diagonal, which plain autograd computes and masks.
+
+`soft_cross_entropy`: the draft head and the soft cross-entropy against the target's distribution, over the
+loss rows only, in blocks of rows, with the gradient of the summed loss worked out in the forward (the loss is
+linear in what flows back: one scalar). Plain autograd keeps each step's [L, draft vocab] float32 log-softmax
+(262 MB per step at 2048 tokens and 32k rows) and computes the head for rows that never count.
+
+Both compute in their inputs' dtype (bf16 under autocast, as the layers around them) with float32 softmax
+statistics, and are checked against the plain formulation (`eagle_core.ttt.ttt_forward_naive`, `step_loss`) on
+losses and gradients in tests/test_ttt.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Rows per block: a block's scores are [B, heads, rows, L] float32; 256 rows x 4096 keys x 9 heads is 38 MB.
+ATTENTION_BLOCK = 256
+# Rows per block of the head: [rows, draft vocab] float32 logits; 512 x 32k is 64 MB.
+HEAD_BLOCK = 512
+
+
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def _step0_mask(rows: slice, n_keys: int, key_valid, device):
+    """bool [B, 1, rows, n_keys]: row t sees keys s <= t that are real tokens, and always itself."""
+    t = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    s = torch.arange(n_keys, device=device)[None, :]
+    return ((s <= t) & key_valid[:, None, None, :n_keys]) | (s == t)
+
+
+class _TTTAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, key_valid, q, k0, v0, *diag):
+        # q, k0, v0, diag: [B, nh, L, D] (diag = the column's keys of steps 1..k, then its values); key_valid [B, L]
+        n = len(diag) // 2
+        diag_k, diag_v = diag[:n], diag[n:]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        L = q.shape[2]
+        with _no_autocast(q.device.type):
+            d = [(q * kj).sum(-1).float() * scale for kj in diag_k]  # n x [B, nh, L]
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            for a in range(0, L, ATTENTION_BLOCK):
+                rows = slice(a, min(a + ATTENTION_BLOCK, L))
+                keys = rows.stop  # causal: keys past the block's last row never count
+                s = (q[:, :, rows] @ k0[:, :, :keys].transpose(-1, -2)).float() * scale
+                s = s.masked_fill(~_step0_mask(rows, keys, key_valid, q.device), float("-inf"))
+                block_lse = torch.logsumexp(s, dim=-1)
+                if d:
+                    block_lse = torch.logaddexp(block_lse, torch.logsumexp(
+                        torch.stack([dj[:, :, rows] for dj in d], -1), dim=-1))
+                lse[:, :, rows] = block_lse
+                o = torch.exp(s - block_lse[..., None]).to(v0.dtype) @ v0[:, :, :keys]
+                for dj, vj in zip(d, diag_v):
+                    o = o + torch.exp(dj[:, :, rows] - block_lse)[..., None].to(vj.dtype) * vj[:, :, rows]
+                out[:, :, rows] = o
+        ctx.save_for_backward(key_valid, q, k0, v0, out, lse, *diag)
+        ctx.n = n
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        key_valid, q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        diag_k, diag_v = diag[:ctx.n], diag[ctx.n:]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        L = q.shape[2]
+        with _no_autocast(q.device.type):
+            g = grad_out.to(q.dtype)
+            # Delta_t = sum_s P_ts dP_ts = <dO_t, O_t>: the softmax backward's row term, over all keys at once.
+            delta = (g.float() * out.float()).sum(-1)  # [B, nh, L]
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dk0 = torch.zeros_like(dq)
+            dv0 = torch.zeros_like(dq)
+            for a in range(0, L, ATTENTION_BLOCK):
+                rows = slice(a, min(a + ATTENTION_BLOCK, L))
+                keys = rows.stop
+                s = (q[:, :, rows] @ k0[:, :, :keys].transpose(-1, -2)).float() * scale
+                s = s.masked_fill(~_step0_mask(rows, keys, key_valid, q.device), float("-inf"))
+                p = torch.exp(s - lse[:, :, rows, None])  # [B, nh, rows, keys]
+                g_rows = g[:, :, rows]
+                dv0[:, :, :keys] += p.to(q.dtype).transpose(-1, -2) @ g_rows
+                dp = (g_rows @ v0[:, :, :keys].transpose(-1, -2)).float()
+                ds = (p * (dp - delta[:, :, rows, None])).to(q.dtype)
+                dq[:, :, rows] += ds @ k0[:, :, :keys]
+                dk0[:, :, :keys] += ds.transpose(-1, -2) @ q[:, :, rows]
+            dk_diag, dv_diag = [], []
+            for kj, vj in zip(diag_k, diag_v):
+                pj = torch.exp((q * kj).sum(-1).float() * scale - lse)  # [B, nh, L]
+                dv_diag.append((pj[..., None] * g.float()).to(vj.dtype))
+                dsj = pj * ((g.float() * vj.float()).sum(-1) - delta)
+                dq += dsj[..., None] * kj.float()
+                dk_diag.append((dsj[..., None] * q.float() * scale).to(kj.dtype))
+            dq = (dq * scale).to(q.dtype)
+            dk0 = (dk0 * scale).to(k0.dtype)
+        return (None, dq, dk0, dv0.to(v0.dtype), *dk_diag, *dv_diag)
+
+
+def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v):
+    """Attention of one TTT step: the causal step-0 block plus per-column diagonal entries.
+
+    q: [B, nh, L, D]; k0, v0: [B, nh, L, D] (kv heads already repeated); key_valid: bool [B, L] (padding = False)
+    diag_k, diag_v: the same column's keys/values of steps 1..k, each [B, nh, L, D]
+    returns [B, nh, L, D]: softmax over {step-0 keys s <= t that are real, and t itself} + {the k diagonal keys}
+    """
+    return _TTTAttention.apply(key_valid.bool(), q, k0, v0, *diag_k, *diag_v)
+
+
+def _head_blocks(x, weight, target_p, target_argmax, d2t, grad_x: bool, grad_w: bool):
+    """Loss sum, hits, and (when asked) the loss sum's gradients for x and weight, a block of rows at a time."""
+    with _no_autocast(x.device.type):
+        w = weight.to(x.dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        hits = torch.zeros((), dtype=torch.float32, device=x.device)
+        gx = torch.empty_like(x) if grad_x else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grad_w else None
+        for a in range(0, x.shape[0], HEAD_BLOCK):
+            rows = slice(a, a + HEAD_BLOCK)
+            logits = F.linear(x[rows], w).float()  # [n, Vd]
+            p = target_p[rows]
+            p_sum = p.sum(-1, keepdim=True)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            # -sum_v p_v log softmax(l)_v = sum(p) * lse - <p, l>;  d/dl = sum(p) * softmax(l) - p
+            loss += (p_sum * lse).sum() - (p * logits).sum()
+            arg = logits.argmax(-1)
+            hits += ((arg + d2t[arg]) == target_argmax[rows]).sum()
+            if gx is None and gw is None:
+                continue
+            g = (torch.exp(logits - lse) * p_sum - p).to(x.dtype)
+            if gx is not None:
+                gx[rows] = g @ w
+            if gw is not None:
+                gw += (g.transpose(0, 1) @ x[rows]).float()
+    return loss, hits, gx, gw
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target_p, target_argmax, d2t):
+        loss, hits, gx, gw = _head_blocks(x, weight, target_p, target_argmax, d2t, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(gx, gw)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):
+        gx, gw = ctx.saved_tensors
+        return (None if gx is None else gx * grad_loss.to(gx.dtype),
+                None if gw is None else gw * grad_loss, None, None, None)
+
+
+def soft_cross_entropy(x, weight, target_p, target_argmax, d2t):
+    """(sum over rows of -<target_p, log_softmax(x @ weight.T)>, number of rows whose head argmax, mapped to
+    target ids through d2t, equals target_argmax). x: [N, H]; weight: [Vd, H]; target_p: [N, Vd].
+
+    With gradients on, the head's gradients are computed here, in the forward (a scalar loss needs no more).
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _SoftCrossEntropy.apply(x, weight, target_p, target_argmax, d2t)
+    loss, hits, _, _ = _head_blocks(x, weight, target_p, target_argmax, d2t, False, False)
+    return loss, hits
