@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, command, machine, write_json, write_markdown
-from bench.prompt_sets import PROMPT_SETS, prompt_set
+from pipelines.prompt_sets import PROMPT_SETS, prompt_set, target_answerer
 from eagle_core.autotune import autotune, draft_cases, target_forward_cases, timed
 from eagle_core.chat import prompt_ids
 from eagle_core.checkpoint import load_draft
@@ -256,7 +256,7 @@ def markdown(summary: list[dict], meta: dict, categories: dict | None = None, co
     lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
              f"`{meta['command']}`", "",
              f"{meta.get('date', '')}", "",
-             f"{meta['prompts']} prompts of the set `{meta.get('prompt_set', 'mtbench')}` (bench/prompt_sets.py; chat "
+             f"{meta['prompts']} prompts of the set `{meta.get('prompt_set', 'mtbench')}` (pipelines/prompt_sets.py; chat "
              f"template), greedy, max_new_tokens {meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
              f"Trees (auto-tuned per dtype): {meta['trees']}, chain: {meta['chain']}. {meta['note']}.", "",
              "| method | tau | tokens/s | vs HF greedy fp32 | vs our plain (same dtype) | GB/s | "
@@ -287,8 +287,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"the target: a named one ({', '.join(NAMED_TARGETS)}), an HF folder, a .gguf file or a hub id")
     p.add_argument("--draft", default=None,
                    help="the draft folder (save_draft layout); default: the draft shipped for --target")
-    p.add_argument("--prompts", default="mtbench", choices=PROMPT_SETS,
-                   help="prompt set: MT-bench turn 1, long held-out ShareGPT conversations, or half of each")
+    p.add_argument("--prompts", default="mtbench",
+                   help=f"prompt set ({', '.join(PROMPT_SETS)}; pipelines/prompt_sets.py) or a .jsonl file")
     p.add_argument("--num-prompts", type=int, default=16, help="measured prompts")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
@@ -424,7 +424,9 @@ def main(argv=None):
     for dtype in dtypes:
         model, tokenizer, draft, eos = load_models(args.target, draft_path, dtype)
         if prompts is None:  # the same tokenizer in every dtype
-            items, calib_items = prompt_set(args.prompts, tokenizer, args.num_prompts, args.autotune_prompts)
+            # Second turns follow the target's own greedy answer, in the first dtype measured (float32 by default).
+            items, calib_items = prompt_set(args.prompts, tokenizer, args.num_prompts, args.autotune_prompts,
+                                            answer=target_answerer(model, tokenizer, args.max_new_tokens))
             prompts = [prompt_ids(tokenizer, item["messages"]) for item in items]
             calib = [prompt_ids(tokenizer, item["messages"]) for item in calib_items]
         tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)

@@ -57,15 +57,15 @@ def measure_tau(draft_dir: Path, args) -> dict:
     from eagle_core.generate import generate
     from eagle_core.target import load_target, resolve_dtype
     from eagle_core.tree import TreeConfig
-    from pipelines.retrain import load_eval_prompts
+    from pipelines.prompt_sets import prompt_set
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype("auto", "cpu")
     target, tok = load_target("smollm2-135m", device="cpu", dtype=dtype)
     draft = load_draft(draft_dir, target=target).eval()
     accepted = rounds = 0
-    for messages in load_eval_prompts("mtbench", args.num_prompts):
-        out = generate(target, [prompt_ids(tok, messages)], draft=draft, tree=TreeConfig(8, 6, 32), mode="tree",
+    for item in prompt_set("mtbench", tok, args.num_prompts, 0)[0]:
+        out = generate(target, [prompt_ids(tok, item["messages"])], draft=draft, tree=TreeConfig(8, 6, 32), mode="tree",
                        max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
         accepted += sum(out.stats[0].accept_lengths)
         rounds += len(out.stats[0].accept_lengths)

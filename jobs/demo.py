@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=512, help="tokens per training conversation")
     p.add_argument("--train-epochs", type=int, default=2, help="training epochs over the extracted features")
     p.add_argument("--eval-count", type=int, default=6,
-                   help="MT-bench prompts decoded to compare the drafts (tree, auto and plain lead on a third each)")
+                   help="prompts decoded to compare the drafts, spread over MT-bench turns 1 and 2, HumanEval and "
+                   "long contexts (tree, auto and plain lead on a third each)")
     p.add_argument("--work", default=None, help="work folder (default: $EAGLE3_WORK or ./work)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the Serve app on 127.0.0.1")
     p.add_argument("--answer-tokens", type=int, default=64, help="max_tokens of the demo chat requests")

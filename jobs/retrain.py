@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default=d.work, help="URL for the features and drafts of every scale")
     p.add_argument("--target", default=d.target, help="target model: 'smollm2-135m', a .gguf file, an HF folder (path or URL) or a hub id")
     p.add_argument("--registered-model", default=d.registered_model, help="MLflow registered model of the drafts")
-    p.add_argument("--eval-prompts", default=d.eval_prompts, help="'mtbench' or a JSONL file of {prompt|messages}")
+    p.add_argument("--eval-prompts", default=d.eval_prompts, help="a prompt set (all = MT-bench turns 1 and 2, HumanEval, long contexts; "
+                   "pipelines/prompt_sets.py) or a JSONL file of {prompt|messages}")
     p.add_argument("--eval-count", type=int, default=d.eval_count, help="held-out prompts decoded per evaluation")
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens, help="tokens per evaluation prompt")
     p.add_argument("--eval-cpus", type=float, default=d.eval_cpus, help="CPUs of the evaluation task")

@@ -32,7 +32,9 @@ class RetrainConfig:
     work: str = "work/retrain"
     target: str = "smollm2-135m"
     registered_model: str = "eagle3-draft"
-    eval_prompts: str = "mtbench"  # 'mtbench' (turn 1 of the 80 questions) or a JSONL file of {"prompt"|"messages"}
+    # a named prompt set of pipelines.prompt_sets or a JSONL file of {"prompt"|"messages"}; "all" spreads the
+    # evaluation over MT-bench turns 1 and 2, HumanEval and long contexts, so promotion compares on a mix
+    eval_prompts: str = "all"
     eval_count: int = 8  # held-out prompts decoded per evaluation
     eval_max_new_tokens: int = 64
     eval_tree: TreeConfig = field(default_factory=TreeConfig)  # the decoding tree of the evaluation
@@ -74,25 +76,22 @@ def count_corpus_rows(corpus: str) -> int:
 # Evaluation by real decoding
 # --------------------------------------------------------------------------------------------------
 
-def load_eval_prompts(source: str, count: int) -> list[list[dict]]:
-    """Chat prompts (lists of messages) for evaluation."""
-    if source == "mtbench":
-        from pipelines.data import load_mtbench_questions, spread_indices
+def check_eval_prompts(source: str) -> None:
+    """A named prompt set, or a JSONL file that exists: checked on the driver before any work."""
+    from pipelines.prompt_sets import PROMPT_SETS
 
-        questions = load_mtbench_questions()
-        return [[{"role": "user", "content": questions[i]["turns"][0]}] for i in spread_indices(count, len(questions))]
+    if source in PROMPT_SETS:
+        return
     import fsspec
 
-    prompts = []
-    with fsspec.open(source, "rt") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                prompts.append(row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}])
-    return prompts[:count]
+    if not source.endswith(".jsonl"):
+        raise ValueError(f"eval_prompts {source!r}: expected one of {PROMPT_SETS} or a .jsonl file")
+    fs, path = fsspec.core.url_to_fs(source)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"eval_prompts: no file at {source}")
 
 
-def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: RetrainConfig) -> dict:
+def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: RetrainConfig) -> dict:
     """tau, and the speed-ups a user gets on this machine.
 
     tau (the draft's quality, which promotion compares) comes from greedy decoding of all prompts with
@@ -100,14 +99,15 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
     tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
     interleaved, the three in rotating order) with that tree every round, with the auto policy (trees only
     where they pay: what a user gets; it starts from the auto-tune's measurements) and plainly (the baseline
-    of both speed-ups)."""
+    of both speed-ups). prompts: `pipelines.prompt_sets` items; tau is also reported per set of them (from the
+    tuned tree's rounds)."""
     from eagle_core.autotune import DEFAULT_SIZES, autotune, rotation
     from eagle_core.chat import prompt_ids
     from eagle_core.decoding import available_modes
     from eagle_core.generate import generate
     from eagle_core.policy import ModeChooser
 
-    ids = [prompt_ids(tokenizer, messages) for messages in prompts]
+    ids = [prompt_ids(tokenizer, item["messages"]) for item in prompts]
     full = config.eval_tree
     sizes = [s for s in DEFAULT_SIZES if s < full.total_tokens] + [full.total_tokens]
     context = sum(map(len, ids)) // len(ids) + config.eval_max_new_tokens // 2
@@ -115,6 +115,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
                      max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     modes = ("tree", "auto", "plain")
     tokens, seconds, auto_rounds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), Counter()
+    accepted, rounds = Counter(), Counter()  # per prompt set, the tuned tree's rounds
     chooser = ModeChooser(available_modes(tuned.tree))  # one policy for all prompts, as in a server
     tuned.prime(chooser)  # starting from the auto-tune's measurements, not from two rounds of each mode
     bar = progress(total=len(ids), desc="[retrain] evaluating", unit="prompt")
@@ -128,6 +129,9 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
             tokens[mode] += out.stats[0].new_tokens
             if mode == "auto":
                 auto_rounds.update(out.stats[0].modes)
+            if mode == "tree":
+                accepted[prompts[n]["set"]] += sum(out.stats[0].accept_lengths)
+                rounds[prompts[n]["set"]] += len(out.stats[0].accept_lengths)
         bar.update(1)
     bar.close()
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
@@ -135,6 +139,7 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[list[dict]], config: 
             "tuned_tree": asdict(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
             "plain_tokens_per_s": tps["plain"], "speedup": tps["auto"] / max(tps["plain"], 1e-9),
             "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "auto_rounds": dict(auto_rounds),
+            "tree_tau_by_set": {name: 1 + accepted[name] / rounds[name] for name in rounds if rounds[name]},
             "prompts": len(prompts)}
 
 
@@ -229,21 +234,25 @@ def _plot_scaling(points: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _evaluate_drafts(config: RetrainConfig, sources: dict, prompts, tracking_uri: str) -> dict:
-    """{name: evaluate_draft(...)} for drafts named by registry URIs, sharing one target load (one machine, so
-    the comparison is fair)."""
+def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str) -> dict:
+    """{name: evaluate_draft(...)} for drafts named by registry URIs, sharing one target load and one prompt set
+    (one machine, the same prompts: the comparison is fair). The prompts are built here, beside the target: second
+    turns follow its own answers, and long contexts are measured with its tokenizer."""
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import default_device, load_target
     from pipelines.cluster import use_assigned_cpus
+    from pipelines.prompt_sets import prompt_set, target_answerer
 
     use_assigned_cpus()
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the driver's store: the registry URIs resolve through it
     target, tokenizer = load_target(config.target, device=default_device())
+    prompts, _ = prompt_set(config.eval_prompts, tokenizer, config.eval_count, 0,
+                            answer=target_answerer(target, tokenizer, config.eval_max_new_tokens))
     return {name: evaluate_draft(target, tokenizer, load_draft(resolve_source(source), target=target), prompts, config)
             for name, source in sources.items()}
 
 
-def evaluate_on_worker(config: RetrainConfig, sources: dict, prompts) -> dict:
+def evaluate_on_worker(config: RetrainConfig, sources: dict) -> dict:
     """`_evaluate_drafts` as a Ray task with the target's resources (on a GPU node where the cluster has GPUs)."""
     import ray
 
@@ -253,10 +262,10 @@ def evaluate_on_worker(config: RetrainConfig, sources: dict, prompts) -> dict:
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     task = ray.remote(num_cpus=config.eval_cpus, num_gpus=gpus)(_evaluate_drafts)
-    return ray.get(task.remote(config, sources, prompts, tracking.tracking_uri()))
+    return ray.get(task.remote(config, sources, tracking.tracking_uri()))
 
 
-def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], prompts) -> dict:
+def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
     manifest = _extract_scale(config, rows, earlier)
     features = join(config.work, "features", f"rows-{rows}")
     earlier.append(features)
@@ -268,14 +277,13 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], prompts) -
     sources = {"new": f"models:/{config.registered_model}/{version}"}
     if champion is not None and str(champion.version) != str(version):  # a rerun re-evaluates the champion alone
         sources["champion"] = champion_uri
-    evals = evaluate_on_worker(config, sources, prompts)
+    evals = evaluate_on_worker(config, sources)
     new, champion_eval = evals["new"], evals.get("champion")
     observed = None if champion is None else str(champion.version)
 
     def evaluate_champion(moved_to: str) -> float:  # the champion moved since: compare with the new one
         nonlocal champion_eval
-        champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"},
-                                           prompts)["champion"]
+        champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"})["champion"]
         return champion_eval["tau"]
 
     lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
@@ -287,6 +295,7 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str], prompts) -
         champion_eval = None
     return {"rows": rows, "version": int(version), "promoted": promoted, "tau": new["tau"],
             "tokens_per_s": new["tokens_per_s"], "plain_tokens_per_s": new["plain_tokens_per_s"],
+            "tree_tau_by_set": new["tree_tau_by_set"],
             "speedup": new["speedup"], "tree_speedup": new["tree_speedup"], "tuned_tree": new["tuned_tree"],
             "champion_tau": champion_eval["tau"] if champion_eval else None,
             "champion_speedup": champion_eval["speedup"] if champion_eval else None,
@@ -313,7 +322,7 @@ def run_retrain(config: RetrainConfig) -> dict:
     alias_version(config.registered_model, CHAMPION)
     corpus_rows = config.corpus_rows or (count_corpus_rows(config.corpus) if any(s <= 1 for s in config.scales) else 0)
     scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
-    prompts = load_eval_prompts(config.eval_prompts, config.eval_count)
+    check_eval_prompts(config.eval_prompts)
     client = registry_client()
     experiment_id = tracking.ensure_experiment(config.mlflow_experiment)
     parent = client.create_run(experiment_id, run_name="retrain").info.run_id
@@ -324,13 +333,15 @@ def run_retrain(config: RetrainConfig) -> dict:
     for rows in scales:
         child = client.create_run(experiment_id, run_name=f"scale-{rows}",
                                   tags={"mlflow.parentRunId": parent}).info.run_id
-        result = _scale_step(config, rows, earlier, prompts)
+        result = _scale_step(config, rows, earlier)
         result["child_run_id"] = child
         for key in ("rows", "version", "reused_shards", "train_run_id", "features", "draft"):
             client.log_param(child, key, result[key])
         for key in ("tau", "tokens_per_s", "plain_tokens_per_s", "speedup", "shards"):
             client.log_metric(child, key, float(result[key]))
         client.log_metric(child, "promoted", float(result["promoted"]))
+        for name, tau in result["tree_tau_by_set"].items():
+            client.log_metric(child, f"tree_tau/{name}", tau)
         client.log_metric(parent, "tau", result["tau"], step=rows)
         client.set_terminated(child)
         results.append(result)

@@ -27,7 +27,7 @@ def gemma3():
 @pytest.fixture(scope="module")
 def long_prompt(gemma3):
     """A held-out ShareGPT conversation of 1000+ tokens (twice the sliding window) under Gemma's turn format."""
-    from bench.prompt_sets import long_context
+    from pipelines.prompt_sets import long_context
 
     (item,), _ = long_context(gemma3[1], 1, 0)
     return prompt_ids(gemma3[1], item["messages"])

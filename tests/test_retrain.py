@@ -178,7 +178,8 @@ def test_the_evaluation_rotates_which_mode_decodes_a_prompt_first(tiny_target, m
 
     monkeypatch.setattr(eagle_core.generate, "generate", recording)
     monkeypatch.setattr(eagle_core.chat, "prompt_ids", lambda tok, messages: [int(messages[0]["content"]), 5, 9, 2])
-    prompts = [[{"role": "user", "content": str(n)}] for n in (11, 12, 13, 14)]
+    prompts = [{"set": "a" if n < 13 else "b", "messages": [{"role": "user", "content": str(n)}]}
+               for n in (11, 12, 13, 14)]
     config = RetrainConfig(eval_tree=TreeConfig(top_k=2, depth=2, total_tokens=4), eval_max_new_tokens=6)
     result = evaluate_draft(tiny_target, types.SimpleNamespace(eos_token_id=None), echo_draft(tiny_target), prompts,
                             config)
@@ -188,3 +189,5 @@ def test_the_evaluation_rotates_which_mode_decodes_a_prompt_first(tiny_target, m
     assert per_prompt == {11: ["tree", "auto", "plain"], 12: ["auto", "plain", "tree"],
                           13: ["plain", "tree", "auto"], 14: ["tree", "auto", "plain"]}
     assert result["prompts"] == 4 and result["speedup"] > 0 and result["tree_speedup"] > 0
+    # tau per prompt set, from the tuned tree's rounds: the echo draft is always right, so both sets accept
+    assert set(result["tree_tau_by_set"]) == {"a", "b"} and all(t > 1 for t in result["tree_tau_by_set"].values())
