@@ -100,14 +100,16 @@ def target_distribution(last_hidden, target_lm_head_weight, d2t):
     w = target_lm_head_weight
     hidden = last_hidden.to(w.device, w.dtype).flatten(0, 1)
     rows = draft_ids_from_mapping(d2t).to(w.device)
-    # Softmax restricted to a subset and renormalised == softmax of that subset's logits (float32). The argmax is
-    # over the head's own dtype; a float32 head gives both from one product.
+    # Softmax restricted to a subset and renormalised == softmax of that subset's logits, in float32 whatever the
+    # caller's autocast (a bf16 teacher would be off by ~1 % per probability). The argmax is over the head's own
+    # dtype; a float32 head gives both from one product.
     w_rows = None if w.dtype == torch.float32 else w[rows].float()
     p_blocks, arg_blocks = [], []
-    for h in hidden.split(TARGET_BLOCK):
-        logits = F.linear(h, w)
-        arg_blocks.append(logits.argmax(-1))
-        p_blocks.append(torch.softmax(logits[:, rows] if w_rows is None else F.linear(h.float(), w_rows), dim=-1))
+    with torch.autocast(device_type=w.device.type, enabled=False):
+        for h in hidden.split(TARGET_BLOCK):
+            logits = F.linear(h, w)
+            arg_blocks.append(logits.argmax(-1))
+            p_blocks.append(torch.softmax(logits[:, rows] if w_rows is None else F.linear(h.float(), w_rows), dim=-1))
     shape = last_hidden.shape[:2]
     return torch.cat(p_blocks).view(*shape, -1), torch.cat(arg_blocks).view(shape)
 
@@ -167,7 +169,7 @@ def ttt_forward(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     target_p, target_argmax = targets or target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
-    loss_mask = loss_mask.to(target_p.dtype) * attention_mask.to(target_p.dtype)
+    loss_mask = loss_mask.float() * attention_mask.float()  # float32: counts stay exact
     positions = positions_from_mask(attention_mask)
     key_valid = attention_mask.bool()
     n_rep = draft.num_heads // draft.num_kv_heads
@@ -202,7 +204,7 @@ def step_head_loss(draft, hidden, k, target_p, target_argmax, loss_mask, column_
     x = draft.norm(hidden[b, t])  # [N, H]
     loss, hits = soft_cross_entropy(x, draft.lm_head.weight, target_p[b, t + k + 1], target_argmax[b, t + k + 1],
                                      draft.d2t)
-    return loss, hits, counted.sum().to(target_p.dtype)
+    return loss, hits, counted.sum().float()
 
 
 def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=None):
@@ -273,7 +275,7 @@ def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidde
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     target_p, target_argmax = target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
-    loss_mask = loss_mask.to(target_p.dtype) * attention_mask.to(target_p.dtype)
+    loss_mask = loss_mask.float() * attention_mask.float()  # float32: counts stay exact
     positions = positions_from_mask(attention_mask)
 
     hiddens = [draft.fuse(aux_hidden)]  # step j's input hidden, [B, L, H] each

@@ -33,6 +33,13 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on x runs in here: autocast's where it is on for x's device (as for the layers
+    around), else x's own. (The draft's norms return float32 under autocast: their weight is float32.)"""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def _step0_mask(rows: slice, n_keys: int, key_valid, device):
     """bool [B, 1, rows, n_keys]: row t sees keys s <= t that are real tokens, and always itself."""
     t = torch.arange(rows.start, rows.stop, device=device)[:, None]
@@ -114,7 +121,9 @@ def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v):
     diag_k, diag_v: the same column's keys/values of steps 1..k, each [B, nh, L, D]
     returns [B, nh, L, D]: softmax over {step-0 keys s <= t that are real, and t itself} + {the k diagonal keys}
     """
-    return _TTTAttention.apply(key_valid.bool(), q, k0, v0, *diag_k, *diag_v)
+    dtype = compute_dtype(q)
+    tensors = [t.to(dtype) for t in (q, k0, v0, *diag_k, *diag_v)]
+    return _TTTAttention.apply(key_valid.bool(), *tensors)
 
 
 def _head_blocks(x, weight, target_p, target_argmax, d2t, grad_x: bool, grad_w: bool):
@@ -166,6 +175,7 @@ def soft_cross_entropy(x, weight, target_p, target_argmax, d2t):
 
     With gradients on, the head's gradients are computed here, in the forward (a scalar loss needs no more).
     """
+    x = x.to(compute_dtype(x))
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _SoftCrossEntropy.apply(x, weight, target_p, target_argmax, d2t)
     loss, hits, _, _ = _head_blocks(x, weight, target_p, target_argmax, d2t, False, False)

@@ -94,6 +94,24 @@ def test_efficient_ttt_matches_naive_under_bf16_autocast(tiny_target):
         assert float((a - b).norm() / b.norm().clamp_min(1e-12)) < 0.05, name
 
 
+def test_autocast_leaves_the_teacher_and_the_counts_in_float32(tiny_target):
+    """Under bf16 autocast (how distillation trains) the target distribution is the float32 one, bit for bit, and
+    per-step position counts stay exact past 256 (bf16 holds integers exactly only up to 256)."""
+    g = torch.Generator().manual_seed(3)
+    length = 300
+    input_ids = torch.randint(3, tiny_target.config.vocab_size, (1, length), generator=g)
+    feats = capture_features(tiny_target, input_ids)
+    head = tiny_target.get_output_embeddings().weight
+    draft = _draft(tiny_target)
+    plain = target_distribution(feats.last_hidden, head, draft.d2t)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = target_distribution(feats.last_hidden, head, draft.d2t)
+        out = ttt_forward(draft, input_ids, torch.ones_like(input_ids), feats.aux_hidden, feats.last_hidden, head,
+                          ttt_steps=3)
+    assert mixed[0].dtype == torch.float32 and torch.equal(mixed[0], plain[0]) and torch.equal(mixed[1], plain[1])
+    assert out.step_counts.tolist() == [length - 2, length - 3, length - 4]
+
+
 def test_step_loss_matches_its_definition_position_by_position():
     """Column t of step k: soft CE against the target at t+k+1, counted when loss_mask[t+k+2] is set."""
     g = torch.Generator().manual_seed(0)
