@@ -176,14 +176,16 @@ def by_category(runs: dict[str, list[dict]], categories: list[str]) -> dict[str,
 
 def category_markdown(table: dict[str, dict[str, dict]]) -> list[str]:
     first = next(iter(table.values()))
-    labels = [label for label in first if label.split()[0] in ("tree", "tree_context", "auto")]
+    # HF prompt lookup beside ours: the peer that needs no draft, per category (tau n/a: HF does not report it)
+    labels = [label for label in first if label.split()[0] in ("hf_prompt_lookup", "tree", "tree_context", "auto")]
     if not labels or "hf_greedy fp32" not in first:
         return []
     lines = ["Per category (speed-up over HF greedy fp32 on the same prompts):", "",
              "| category | prompts | " + " | ".join(f"tau {m} | speed-up {m}" for m in labels) + " |",
              "|---|---:|" + "---:|---:|" * len(labels)]
     for category, row in table.items():
-        cells = " | ".join(f"{row[m].get('tau', 1.0):.2f} | {row[m]['speedup_vs_hf_greedy']:.2f}x" for m in labels)
+        cells = " | ".join((f"{row[m]['tau']:.2f}" if "tau" in row[m] else "n/a")
+                           + f" | {row[m]['speedup_vs_hf_greedy']:.2f}x" for m in labels)
         lines.append(f"| {category} | {row[labels[0]]['prompts']} | {cells} |")
     return lines + [""]
 
