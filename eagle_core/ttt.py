@@ -197,14 +197,20 @@ def ttt_forward(
 def step_head_loss(draft, hidden, k, target_p, target_argmax, loss_mask, column_mask):
     """`step_loss` of the draft's head on `hidden` [B, L, H], computed on the counted rows only and without
     keeping their [rows, draft vocab] logits (`ttt_ops.soft_cross_entropy`). Loss masks are 0/1."""
-    L = hidden.shape[1]
-    n = max(L - k - 2, 0)
-    counted = (loss_mask[:, k + 2:] * column_mask[:, :n].to(loss_mask.dtype)) > 0  # [B, n]
+    counted = step_mask(loss_mask, column_mask, hidden.shape[1], k) > 0  # [B, n]
     b, t = counted.nonzero(as_tuple=True)
     x = draft.norm(hidden[b, t])  # [N, H]
     loss, hits = soft_cross_entropy(x, draft.lm_head.weight, target_p[b, t + k + 1], target_argmax[b, t + k + 1],
                                      draft.d2t)
     return loss, hits, counted.sum().float()
+
+
+def step_mask(loss_mask, column_mask, length: int, k: int):
+    """[B, n] with n = max(length - k - 2, 0): which columns t count at step k. Column t predicts token t+k+2, so
+    loss_mask[t+k+2]; a padded column (column_mask 0) holds no real feature and never counts (left padding)."""
+    n = max(length - k - 2, 0)
+    mask = loss_mask[:, k + 2:]
+    return mask if column_mask is None else mask * column_mask[:, :n].to(mask.dtype)
 
 
 def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=None):
@@ -215,12 +221,9 @@ def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=
     counts, even when the token it would predict is a loss token (left padding)
     returns (summed loss, hits, count) as 0-d tensors
     """
-    L = logits.shape[1]
-    n = max(L - k - 2, 0)
+    mask = step_mask(loss_mask, column_mask, logits.shape[1], k)
+    n = mask.shape[1]
     logits = logits[:, :n]
-    mask = loss_mask[:, k + 2:]  # token t+k+2 is what column t predicts at step k
-    if column_mask is not None:
-        mask = mask * column_mask[:, :n].to(mask.dtype)
     p = target_p[:, k + 1: k + 1 + n]  # the target's distribution for that token
     ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, n]
     with torch.no_grad():
