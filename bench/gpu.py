@@ -17,7 +17,7 @@ Per target:
   and 7 of the recipes' top-k 10: (t7 - t1) / 6);
   all of these timed together, round-robin (`eagle_core.autotune.timed`, the CPU cost table's timer), so a
   drift lands on every case alike;
-* extraction: `eagle_core.target.capture_features` on a batch, tokens/s and peak memory.
+* extraction: `eagle_core.capture.capture_features` on a batch, tokens/s and peak memory.
 Then TTT: one training step (`eagle_core.ttt.train_step`: target distribution, TTT forward, backward, AdamW) of
 the Llama-3.1-8B-shaped draft (fp32 weights, bf16 autocast on CUDA, as the training job runs it) on random
 bf16 features of 2k, 4k and 8k tokens: tokens/s and peak memory. An out-of-memory error is recorded for its
@@ -49,7 +49,8 @@ from eagle_core.autotune import draft_cases, target_forward_cases, timed
 from eagle_core.decoding import clock, plain_step, prefill
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.kv import TargetKV, _cache_kwarg
-from eagle_core.target import capture_features, default_aux_layer_ids
+from eagle_core.target import default_aux_layer_ids
+from eagle_core.capture import capture_features
 from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, ttt_forward, with_targets
 from eagle_core.verify import SamplingConfig
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from eagle_core.chat import NoChatTemplateError, TemplateError, prompt_ids, tokenize_conversation
-from eagle_core.target import capture_features
+from eagle_core.capture import capture_features
 
 TRUNCATED = ("mark", "drop")  # what regeneration does with a reply cut at max_new_tokens (see regenerate_conversations)
 

@@ -260,7 +260,7 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
     to the caller, which usually needs logits at a few positions only.
     """
     from eagle_core.families import UnsupportedTarget
-    from eagle_core.target import record_hidden_states
+    from eagle_core.capture import record_hidden_states
 
     decoder = target.model
     _, _, limit = layer_rules(target.config)

@@ -29,7 +29,8 @@ import torch
 from eagle_core.checkpoint import save_draft
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.features import regenerate_conversations
-from eagle_core.target import capture_features, cpu_has_native_bf16, load_target
+from eagle_core.target import cpu_has_native_bf16, load_target
+from eagle_core.capture import capture_features
 from eagle_core.ttt import (TrainConfig, load_train_state, make_optimizer, make_scheduler, train_state_dict,
                             train_step, ttt_forward)
 from eagle_core.vocab import TokenCounter, build_vocab_mapping

@@ -404,7 +404,7 @@ def local_feature_batches(model, tokenizer, n: int, max_length: int, min_loss_to
     `min_loss_tokens` loss tokens, after skipping `skip` of them. For benchmarks, tests and streaming distillation."""
     from itertools import islice
 
-    from eagle_core.target import capture_features
+    from eagle_core.capture import capture_features
     from pipelines.distill import iter_usable
 
     batches = []

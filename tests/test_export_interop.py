@@ -24,7 +24,8 @@ from eagle_core.checkpoint import (
 )
 from eagle_core.engine_ids import from_engine_ids, to_engine_ids
 from eagle_core.draft import Eagle3Draft
-from eagle_core.target import default_aux_layer_ids, make_tiny_llama, record_hidden_states
+from eagle_core.target import default_aux_layer_ids, make_tiny_llama
+from eagle_core.capture import record_hidden_states
 from eagle_core.vocab import build_vocab_mapping
 
 N_LAYERS = 6  # the tiny target's depth: our default ids are [2, 3, 3]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from eagle_core.chat import tokenize_conversation
-from eagle_core.target import capture_features, load_target
+from eagle_core.target import load_target
+from eagle_core.capture import capture_features
 from pipelines.extract import ExtractConfig, run_extract, stream_features
 from pipelines.feature_files import committed_shards, decode_hidden, load_manifest, read_features
 from process_helpers import free_port, kill_session

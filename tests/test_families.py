@@ -17,7 +17,7 @@ from family_helpers import REFUSED, SUPPORTED, WINDOWED, _config, tiny_family_mo
 from eagle_core.draft import Eagle3Draft
 from eagle_core.families import UnsupportedTarget, check_supported
 from eagle_core.generate import generate
-from eagle_core.target import capture_features
+from eagle_core.capture import capture_features
 from eagle_core.tree import TreeConfig
 from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step
 

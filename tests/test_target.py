@@ -4,14 +4,8 @@ import pytest
 import torch
 
 from eagle_core.chat import prompt_ids
-from eagle_core.target import (
-    capture_features,
-    default_aux_layer_ids,
-    load_target,
-    make_tiny_llama,
-    materialize_hf_folder,
-    record_hidden_states,
-)
+from eagle_core.target import default_aux_layer_ids, load_target, make_tiny_llama, materialize_hf_folder
+from eagle_core.capture import capture_features, record_hidden_states
 
 
 def reference_features(model, input_ids, attention_mask, aux_layer_ids):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eagle_core.draft import Eagle3Draft
-from eagle_core.target import capture_features
+from eagle_core.capture import capture_features
 from eagle_core.ttt import (HiddenNoise, TrainConfig, load_train_state, make_optimizer, make_scheduler,
                             simulated_accept_length, step_loss, target_distribution, train_draft_steps,
                             train_state_dict, ttt_forward, ttt_forward_naive, warmup_cosine, with_targets)

@@ -6,7 +6,7 @@ No Ray, no MLflow, nothing from pipelines/: it runs on a bare CUDA box with torc
 machine without CUDA it says so and exits 0 (there is nothing to check). Checks, on a tiny random Llama
 target (eagle_core.target.make_tiny_llama):
 
-1. feature capture in bf16: the aux layers + final hidden state (eagle_core.target.capture_features) are
+1. feature capture in bf16: the aux layers + final hidden state (eagle_core.capture.capture_features) are
    bf16, finite, and equal to transformers' own output_hidden_states;
 2. a short TTT training run (eagle_core.ttt) on those features, on sequences the target itself sampled:
    the loss falls;
@@ -73,7 +73,8 @@ def _random_prompts(n, length, vocab, seed):
 def check_features(target_bf16) -> tuple[dict, list]:
     """Sample training sequences with the bf16 target, capture their features in bf16."""
     from eagle_core.generate import generate
-    from eagle_core.target import capture_features, default_aux_layer_ids
+    from eagle_core.target import default_aux_layer_ids
+    from eagle_core.capture import capture_features
 
     prompts = _random_prompts(PROMPTS, PROMPT_LEN, TARGET["vocab_size"], seed=1)
     sampled = generate(target_bf16, prompts, max_new_tokens=SAMPLE_LEN, temperature=0.8, seed=0)
