@@ -9,8 +9,9 @@ Decodes MT-bench prompts (batch 1, greedy) with our plain loop and with one spec
 synchronised at each boundary), so the table splits a measured round into draft tree, context lookup and
 graft, verify forward, acceptance, cache keeps, the draft's cache extension and the round's own bookkeeping,
 and the generation loop's time outside the rounds. Beside it the cost model the auto-tune uses
-(`eagle_core.autotune.round_ms`: the draft's levels and a verify forward of nodes + 1 tokens, timed in isolation on a cache of the
-run's mean length) prices the same round at the run's tau: the gap between the two is what the model misses.
+(`eagle_core.autotune.round_ms`: the draft's levels and a verify forward of nodes + 1 tokens, timed in isolation on a
+cache of the run's mean length, after every prompt so that the machine's drift reaches both alike) prices the same
+rounds at their own widths and the run's tau: the gap between the two is what the model misses.
 Writes bench/results/rounds.json and rounds.md.
 """
 
@@ -27,7 +28,8 @@ import torch
 from bench.common import RESULTS, command, machine, write_json, write_markdown
 from bench.decode import load_models
 from eagle_core import decoding
-from eagle_core.autotune import autotune, draft_cases, head_cases, monotone, round_ms, target_forward_cases, timed
+from eagle_core.autotune import (autotune, draft_cases, head_cases, interpolate, monotone, round_ms, target_forward_cases,
+                                 timed)
 from eagle_core.chat import prompt_ids
 from eagle_core.decoding import CONTEXT, DecodingState, clock
 from eagle_core.generate import generate
@@ -72,6 +74,7 @@ class PhaseTimer:
         self.device = device
         self.ms = defaultdict(float)  # (mode, phase) -> ms
         self.rounds = defaultdict(int)  # mode -> rounds
+        self.widths = defaultdict(list)  # mode -> tokens of each verify forward (the chain is grafted where it matched)
         self.stack: list[list] = []  # [phase, start, time spent in wrapped callees]
         self.mode = None
         self.saved: list[tuple] = []
@@ -84,6 +87,8 @@ class PhaseTimer:
                 self.rounds[self.mode] += 1
             if self.mode is None:  # outside a round (prefill, warm-up): not counted
                 return fn(*args, **kwargs)
+            if phase == "verify forward":  # verify_hidden(target, kv, tree, aux_layer_ids)
+                self.widths[self.mode].append(args[2].tokens.shape[1])
             frame = [phase, clock(self.device), 0.0]
             self.stack.append(frame)
             try:
@@ -128,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--total-tokens", type=int, default=0, help="fixed tree size; 0 = auto-tune the tree")
     p.add_argument("--context-chain", type=int, default=None,
                    help="context chain length of a fixed tree (0 = none); the auto-tune chooses its own")
-    p.add_argument("--repeats", type=int, default=15, help="repeats of each isolated cost of the model")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the cost model's isolated cases after each prompt")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--out", default=str(RESULTS), help="folder of rounds.json and rounds.md")
     return p.parse_args(argv)
@@ -146,22 +151,23 @@ def choose(args, model, draft, eos, prompts, calib) -> TreeConfig:
     return tree
 
 
-def model_costs(model, draft, tree: TreeConfig, context_tokens: int, repeats: int) -> dict:
-    """The auto-tune's isolated costs of this tree's round (ms), interleaved: forwards of 1 and nodes + 1 (+ chain)
-    tokens, the head on 1 and nodes + 1 rows, a draft round at its depth."""
+def cost_cases(model, draft, tree: TreeConfig, context_tokens: int) -> dict:
+    """The auto-tune's isolated cases of this tree's round: forwards of 1 and nodes + 1 (+ chain) tokens, the head on
+    1 and nodes + 1 rows, a draft round at its depth (`eagle_core.autotune`)."""
     widths = sorted({1, tree.total_tokens + 1, tree.total_tokens + tree.context_chain + 1})
     aux = list(draft.config.aux_layer_ids)
-    ms = timed(model.device, {"verify": target_forward_cases(model, widths, context_tokens, aux),
-                              "head": head_cases(model, widths),
-                              "draft": draft_cases(draft, tree.top_k, [tree.depth], context_tokens)}, repeats)
-    return {"context_tokens": context_tokens, **{k: {str(w): v for w, v in d.items()} for k, d in ms.items()}}
+    return {"verify": target_forward_cases(model, widths, context_tokens, aux), "head": head_cases(model, widths),
+            "draft": draft_cases(draft, tree.top_k, [tree.depth], context_tokens)}
 
 
-def run(args, model, draft, eos, prompts, tree: TreeConfig) -> tuple[PhaseTimer, dict]:
-    """Both methods on every prompt, interleaved (the speculative one first on even prompts): phases and totals."""
+def run(args, model, draft, eos, prompts, tree: TreeConfig, cases: dict) -> tuple[PhaseTimer, dict, dict]:
+    """Both methods on every prompt, interleaved (the speculative one first on even prompts), and after each prompt
+    `args.repeats` passes over the cost model's isolated `cases`, so that the model is timed through the same
+    drift of the machine as the loop: (phases, totals, the cases' median ms over prompts)."""
     mode = CONTEXT if tree.context_chain else "tree"
     methods = {"plain": dict(draft=None, mode="plain"), mode: dict(draft=draft, tree=tree, mode=mode)}
     totals = {m: dict(tokens=0, seconds=0.0, rounds=0, accepted=0, spec_rounds=0) for m in methods}
+    costs = {family: {key: [] for key in c} for family, c in cases.items()}
     for m, kw in methods.items():  # warm-up
         generate(model, [prompts[0][:64]], max_new_tokens=4, eos_token_id=eos, **kw)
     with PhaseTimer(model.device) as timer:
@@ -174,7 +180,11 @@ def run(args, model, draft, eos, prompts, tree: TreeConfig) -> tuple[PhaseTimer,
                 t["rounds"] += s.rounds
                 t["accepted"] += sum(s.accept_lengths)
                 t["spec_rounds"] += len(s.accept_lengths)
-    return timer, totals
+            for family, ms in timed(model.device, cases, args.repeats).items():  # outside any round: not counted
+                for key, v in ms.items():
+                    costs[family][key].append(v)
+    median = {family: {str(key): sorted(v)[len(v) // 2] for key, v in c.items()} for family, c in costs.items()}
+    return timer, totals, median
 
 
 def summarize(timer: PhaseTimer, totals: dict, tree: TreeConfig, costs: dict) -> dict:
@@ -189,16 +199,18 @@ def summarize(timer: PhaseTimer, totals: dict, tree: TreeConfig, costs: dict) ->
     forward = monotone({int(w): v for w, v in costs["verify"].items()})
     head = monotone({int(w): v for w, v in costs["head"].items()})
     draft = {tree.depth: costs["draft"][str(tree.depth)]}
-    nodes = tree.total_tokens + tree.context_chain
-    model_ms = round_ms(forward, head, draft, tree.depth, nodes, tau, tree.path_logits)
+    widths = timer.widths[mode]  # nodes + 1 of every round: the tree's, plus the chain where it was grafted
+    model_ms = sum(round_ms(forward, head, draft, tree.depth, w - 1, tau, tree.path_logits) for w in widths) / len(widths)
+    verify_model = sum(interpolate(forward, w) for w in widths) / len(widths)
     return dict(
         mode=mode, tau=tau, tokens_per_s={m: t["tokens"] / t["seconds"] for m, t in totals.items()},
         round_ms=loop_ms, phases_ms=phases,
         measured_round_in_steps=loop_ms[mode] / step,
         model_round_ms=model_ms, model_step_ms=forward[1],
         model_round_in_steps=model_ms / forward[1],
-        model_parts_ms={"verify forward": forward[nodes + 1], "draft round": draft[tree.depth],
-                        "head": (tau * head[1] - head[nodes + 1]) if tree.path_logits else 0.0},
+        mean_verify_width=sum(widths) / len(widths),
+        model_parts_ms={"verify forward": verify_model, "draft round": draft[tree.depth],
+                        "head": model_ms - verify_model - draft[tree.depth]},
         speedup=(spec["tokens"] / spec["seconds"]) / (plain["tokens"] / plain["seconds"]),
     )
 
@@ -223,11 +235,12 @@ def markdown(result: dict) -> str:
     lines.append(f"| **round** | **{s['round_ms']['plain']:.2f}** | **{s['round_ms'][mode]:.2f}** | 100 % |")
     parts = s["model_parts_ms"]
     lines += ["", f"Measured: a {mode} round costs **{s['measured_round_in_steps']:.2f} plain steps** "
-                  f"({s['round_ms'][mode]:.1f} / {s['round_ms']['plain']:.1f} ms). The auto-tune's cost model "
-                  f"prices it at **{s['model_round_in_steps']:.2f}** ({s['model_round_ms']:.1f} / "
+                  f"({s['round_ms'][mode]:.1f} / {s['round_ms']['plain']:.1f} ms; verify forwards of "
+                  f"{s['mean_verify_width']:.1f} tokens on average). The auto-tune's cost model, at each round's own "
+                  f"width, prices it at **{s['model_round_in_steps']:.2f}** ({s['model_round_ms']:.1f} / "
                   f"{s['model_step_ms']:.1f} ms: verify forward {parts['verify forward']:.1f}, draft round "
                   f"{parts['draft round']:.1f}, path-logits head correction {parts['head']:.1f}; timed in isolation "
-                  f"on a {result['costs']['context_tokens']}-token cache, interleaved).", ""]
+                  f"on a {result['costs']['context_tokens']}-token cache after every prompt, the cases interleaved).", ""]
     return "\n".join(lines)
 
 
@@ -244,8 +257,8 @@ def main(argv=None):
     tree = choose(args, model, draft, eos, prompts, calib)
     print(f"[rounds] {tree}", flush=True)
     context = int(sum(map(len, prompts)) / len(prompts)) + args.max_new_tokens // 2
-    timer, totals = run(args, model, draft, eos, prompts, tree)
-    costs = model_costs(model, draft, tree, context, args.repeats)
+    timer, totals, costs = run(args, model, draft, eos, prompts, tree, cost_cases(model, draft, tree, context))
+    costs["context_tokens"] = context
     meta = dict(command=command("rounds", argv), date=time.strftime("%Y-%m-%d %H:%M %Z"),
                 machine=machine(torch.get_num_threads()), target=args.target, draft=Path(draft_path).name,
                 dtype=str(dtype).replace("torch.", ""), tree=str(tree), prompt_set=args.prompts,

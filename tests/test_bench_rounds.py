@@ -41,8 +41,10 @@ def test_timing_changes_no_token_and_restores_the_functions(models, prompts):
 
 def test_phases_add_up_to_the_rounds(models, prompts):
     target, draft = models
-    args = SimpleNamespace(max_new_tokens=24)
-    timer, totals = rounds.run(args, target, draft, None, prompts, TREE)
+    args = SimpleNamespace(max_new_tokens=24, repeats=1)
+    timer, totals, costs = rounds.run(args, target, draft, None, prompts, TREE,
+                                      rounds.cost_cases(target, draft, TREE, context_tokens=32))
+    costs["context_tokens"] = 32
     phases = timer.per_round("context")
     for phase in ("context lookup", "draft tree", "graft chain", "verify forward", "acceptance", "draft extend",
                   "target cache keep", "bookkeeping"):
@@ -55,7 +57,6 @@ def test_phases_add_up_to_the_rounds(models, prompts):
         # decode time (the loop around them is what is left)
         assert 0.5 * total["seconds"] < in_rounds <= total["seconds"] * 1.001, mode
         assert timer.rounds[mode] == total["rounds"]
-    costs = rounds.model_costs(target, draft, TREE, context_tokens=32, repeats=1)
     summary = rounds.summarize(timer, totals, TREE, costs)
     assert summary["tau"] > 1.0
     assert summary["round_ms"]["context"] == pytest.approx(sum(summary["phases_ms"]["context"].values()))
