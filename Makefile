@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) -m bench.ttt
 	$(PY) -m bench.train
 	$(PY) -m bench.decode --draft $(DRAFT)
+	$(PY) -m bench.rounds --draft $(DRAFT)
 	$(PY) -m bench.serve --draft $(DRAFT)
 	$(PY) -m bench.kvcache
 

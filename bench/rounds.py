@@ -12,7 +12,7 @@ and the generation loop's time outside the rounds. Beside it the cost model the 
 (`eagle_core.autotune.round_ms`: the draft's levels and a verify forward of nodes + 1 tokens, timed in isolation on a
 cache of the run's mean length, after every prompt so that the machine's drift reaches both alike) prices the same
 rounds at their own widths and the run's tau: the gap between the two is what the model misses.
-Writes bench/results/rounds.json and rounds.md.
+Writes bench/results/rounds/rounds.json and rounds.md.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context chain length of a fixed tree (0 = none); the auto-tune chooses its own")
     p.add_argument("--repeats", type=int, default=3, help="passes over the cost model's isolated cases after each prompt")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    p.add_argument("--out", default=str(RESULTS), help="folder of rounds.json and rounds.md")
+    p.add_argument("--out", default=str(RESULTS / "rounds"), help="folder of rounds.json and rounds.md")
     return p.parse_args(argv)
 
 

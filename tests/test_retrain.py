@@ -40,6 +40,40 @@ def test_warm_start_copies_weights_and_the_shared_vocab_rows(tmp_path, tiny_targ
     assert torch.equal(new.d2t + torch.arange(64), torch.arange(32, 96))  # the new vocabulary is kept
 
 
+def test_a_grown_vocabulary_maps_the_new_target_rows_into_the_trained_head(tmp_path, tiny_target):
+    """Growing the vocabulary of a draft whose head started from the target's: the old rows carry over, and the new
+    tokens' target rows go through the linear map that trained rows and target rows of the shared tokens define
+    (here exactly a known map M, which least squares recovers), not raw: raw target rows would outscore every
+    trained row of a real draft."""
+    from eagle_core.checkpoint import save_draft
+    from eagle_core.draft import DraftConfig, Eagle3Draft
+    from eagle_core.vocab import mapping_from_draft_ids
+    from pipelines.train import warm_start
+
+    head = tiny_target.get_output_embeddings().weight.detach()
+    h = head.shape[1]
+
+    def draft(n):
+        d = Eagle3Draft(DraftConfig.from_target(tiny_target.config, draft_vocab_size=n, lm_head_init="target"),
+                        tiny_target.get_input_embeddings().weight)
+        d.set_vocab(*mapping_from_draft_ids(torch.arange(n), tiny_target.config.vocab_size))
+        d.init_lm_head_from_target(head)
+        return d
+
+    g = torch.Generator().manual_seed(0)
+    mapping = torch.eye(h) + 0.3 * torch.randn(h, h, generator=g)
+    old = draft(3 * h)  # more shared rows than hidden channels: the map is determined
+    with torch.no_grad():
+        old.lm_head.weight.copy_(head[: 3 * h] @ mapping)
+    save_draft(old, tmp_path / "old")
+    grown = draft(5 * h)
+    warm_start(grown, str(tmp_path / "old"))
+    assert torch.equal(grown.lm_head.weight[: 3 * h], old.lm_head.weight)
+    new_rows = grown.lm_head.weight[3 * h:]
+    assert torch.allclose(new_rows, head[3 * h: 5 * h] @ mapping, atol=1e-3)
+    assert not torch.allclose(new_rows, head[3 * h: 5 * h], atol=1e-1)  # not the raw target rows
+
+
 def test_a_warm_start_inherits_the_source_vocabulary_when_it_fits(tmp_path, tiny_target):
     """A run warm-started from a draft keeps that draft's vocabulary (every lm_head row then carries over);
     a draft of another vocabulary size or another target leaves the run to build its own."""
