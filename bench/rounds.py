@@ -124,11 +124,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=SMOLLM2_NAME, help="the target (as bench.decode)")
     p.add_argument("--draft", default=None, help="the draft folder; default: the draft shipped for --target")
-    p.add_argument("--dtype", default="bfloat16" if cpu_has_native_bf16() else "float32")
+    p.add_argument("--dtype", default="bfloat16" if cpu_has_native_bf16() else "float32",
+                   help="dtype of target and draft (bfloat16 where the CPU has native bf16)")
     p.add_argument("--prompts", default="mtbench", help="prompt set or .jsonl file (pipelines/prompt_sets.py)")
     p.add_argument("--num-prompts", type=int, default=8, help="measured prompts")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--top-k", type=int, default=TreeConfig.top_k)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
+    p.add_argument("--top-k", type=int, default=TreeConfig.top_k, help="tree: children expanded per node")
     p.add_argument("--depth", type=int, default=TreeConfig.depth, help="tree depth (the auto-tune's deepest)")
     p.add_argument("--total-tokens", type=int, default=0, help="fixed tree size; 0 = auto-tune the tree")
     p.add_argument("--context-chain", type=int, default=None,
