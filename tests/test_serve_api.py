@@ -293,3 +293,22 @@ def test_what_a_text_model_cannot_do_is_refused_naming_the_field():
     refused("store", store=True)
     refused("modalities", modalities=["text", "audio"])
     refused("messages.0.role", messages=[{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_non_finite_sampling_number_is_refused_as_such(field, value):
+    """NaN and ±Infinity (which JSON parsers accept) are named as not finite, not as out of a bound."""
+    body = json.dumps({**CHAT, field: value}).encode()  # json.dumps writes NaN / Infinity literals
+    with pytest.raises(P.ApiError) as info:
+        P.parse_request(body, P.ChatCompletionRequest, MAX_BODY)
+    assert info.value.status == 400 and info.value.param == field
+    assert info.value.message == f"invalid value for {field}: must be a finite number"
+
+
+def test_the_overload_reason_agrees_in_number():
+    from pipelines.serve.engine import describe_load
+
+    assert describe_load(1, 31) == "1 request decoding and 31 waiting"
+    assert describe_load(2, 0) == "2 requests decoding and 0 waiting"
+    assert describe_load(0, 1) == "0 requests decoding and 1 waiting"

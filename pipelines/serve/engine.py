@@ -46,6 +46,11 @@ class Overloaded(RuntimeError):
     """The engine holds as many requests as it may; the caller answers 503."""
 
 
+def describe_load(decoding: int, waiting: int) -> str:
+    """The 503's reason: "1 request decoding and 31 waiting" (the noun agrees with the first count)."""
+    return f"{decoding} request{'' if decoding == 1 else 's'} decoding and {waiting} waiting"
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -274,7 +279,7 @@ class Engine:
             if self.stopped or self.draining:
                 raise Overloaded("the server is shutting down")
             if active + len(self.waiting) >= self.capacity:
-                raise Overloaded(f"{active} requests decoding and {len(self.waiting)} waiting")
+                raise Overloaded(describe_load(active, len(self.waiting)))
             self.waiting.append(request)
             self.cond.notify()
 

@@ -16,6 +16,7 @@ then only in one final chunk whose `choices` is empty (`usage_once`).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -116,6 +117,15 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _finite(cls, v):
+        # JSON parsers here accept NaN and Infinity; without this a NaN temperature is refused as "less than or
+        # equal to 2", which sends the caller looking at the wrong bound.
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
