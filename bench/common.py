@@ -21,6 +21,16 @@ def command(module: str, argv=None) -> str:
     return " ".join([f"python -m bench.{module}", *map(str, args)]).rstrip()
 
 
+def shown_path(path) -> str:
+    """A folder as a result file names it: relative to the checkout when it lies inside it (a reader's checkout
+    is elsewhere), else as given."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def machine(threads: int | None = None) -> str:
     """`x86_64, 2 CPU cores, 2 torch threads, OMP_WAIT_POLICY unset` on CPU, `GPU <name>` on CUDA.
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, command, machine, write_json, write_markdown
+from bench.common import RESULTS, command, machine, shown_path, write_json, write_markdown
 from pipelines.prompt_sets import PROMPT_SETS, prompt_set, target_answerer
 from eagle_core.autotune import autotune, draft_cases, target_forward_cases, timed
 from eagle_core.chat import prompt_ids
@@ -55,12 +55,12 @@ def describe_draft(folder: Path) -> str:
     exported it."""
     card, trained = folder / "README.md", folder.parent / "summary.json"
     if card.is_file():
-        return f"{folder} ({card.read_text().splitlines()[0].lstrip('# ')})"
+        return f"{shown_path(folder)} ({card.read_text().splitlines()[0].lstrip('# ')})"
     if trained.is_file():
         info = json.loads(trained.read_text())
-        return (f"{folder} (jobs/train.py: {info['train_rows']} training conversations of "
+        return (f"{shown_path(folder)} (jobs/train.py: {info['train_rows']} training conversations of "
                 f"{info['lineage']['features']}, {info['step']} optimiser steps)")
-    return str(folder)
+    return shown_path(folder)
 
 
 def param_bytes(module) -> int:

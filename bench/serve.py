@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, user_turn, write_json, write_markdown
+from bench.common import SHIPPED_DRAFT, RESULTS, command, machine, shown_path, user_turn, write_json, write_markdown
 
 FALLBACK_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
                     "Give three tips for staying focused.", "What causes the seasons on Earth?"]
@@ -125,7 +125,7 @@ def markdown(report: dict) -> str:
     setup = report["setup"]
     policy = ("by measured tokens/s per batch size (mode_policy=auto)" if setup.get("mode_policy") == "auto" else
               f"tree while batch <= {setup['tree_max_batch']}, chain while <= {setup['chain_max_batch']}, plain above")
-    head = (f"Target `{setup['target']}`, draft `{setup['draft']}`, tree top_k={setup['tree']['top_k']} "
+    head = (f"Target `{setup['target']}`, draft `{shown_path(setup['draft'])}`, tree top_k={setup['tree']['top_k']} "
             f"depth={setup['tree']['depth']} total_tokens={setup['tree']['total_tokens']}; `spec` chooses tree / chain / "
             f"plain per round: {policy}; `spec-tree` / `spec-chain` always verify trees / chains; "
             f"max_tokens={setup['max_tokens']}, greedy chat requests; {setup['machine']}.\n\n"
