@@ -327,14 +327,55 @@ def load_target(
 
 
 def weights_fingerprint(name_or_path: str | os.PathLike) -> str:
-    """A short content hash of the target's weights (lineage in manifests and MLflow)."""
+    """A content hash of the target's weights (lineage in manifests and MLflow; training refuses features made
+    with other weights): SHA-256 over every weight file's name and whole content, so a file changed anywhere, even
+    in place with its size and its first and last MiB unchanged, changes it. Hashing reads every byte (about a
+    second per GB), so each file's digest is cached per node (`file_sha256`), keyed by its size, times and inode."""
     folder = materialize_hf_folder(name_or_path)
     files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        h.update(_file_digest(f).encode())
+        h.update(file_sha256(f).encode())
     return h.hexdigest()[:16]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a local file's whole content, cached per node and keyed by the file's resolved path, size,
+    mtime, ctime and inode: writing the file in place changes its mtime and ctime, replacing it (a rename over it,
+    even with the old mtime restored, as `rsync -t` does) changes its inode and ctime, so a changed file is always
+    hashed again."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return cached_sha256([str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], lambda: open(path, "rb"))
+
+
+def cached_sha256(key: list, open_file) -> str:
+    """The SHA-256 of the bytes `open_file()` reads, cached under `EAGLE3_CACHE/sha256/` by `key` (JSON values that
+    change whenever the bytes do). A cache entry is written whole (a temporary file, then a rename); an unreadable
+    one is recomputed."""
+    import json
+
+    entry = cache_dir() / "sha256" / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
+    try:
+        cached = json.loads(entry.read_text())
+        if cached.get("key") == key:
+            return cached["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass  # absent or unreadable: hash the bytes again
+    h = hashlib.sha256()
+    with open_file() as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "sha256": digest}))
+        os.replace(tmp, entry)
+    except OSError:  # a read-only or full cache only costs hashing again next time
+        tmp.unlink(missing_ok=True)
+    return digest
 
 
 def make_tiny_llama(

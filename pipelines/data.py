@@ -203,6 +203,44 @@ def list_corpus_files(url: str) -> list[str]:
     return [fs.unstrip_protocol(p) for p in paths]
 
 
+def corpus_fingerprint(url: str | None) -> list[dict]:
+    """The corpus by content: one {file, size, sha256} per corpus file. A corpus edited in place (same URL) gives
+    another fingerprint, so it is recorded in feature manifests and checked when a streaming run resumes.
+
+    Hashing reads every byte, so a digest is cached per node: a local file's by its size, times and inode
+    (`eagle_core.target.file_sha256`), an object's by its URL, size and ETag (or modification time)."""
+    from eagle_core.target import file_sha256, is_remote
+
+    out = []
+    for file in list_corpus_files(resolve_corpus_url(url)):
+        if not is_remote(file):
+            path = file.removeprefix("file://")
+            out.append({"file": file, "size": Path(path).stat().st_size, "sha256": file_sha256(path)})
+            continue
+        fs, path = fsspec.core.url_to_fs(file)
+        info = fs.info(path)
+        version = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+        out.append({"file": file, "size": info.get("size"), "sha256": _object_sha256(fs, path, [file, info.get("size"),
+                                                                                              version])})
+    return out
+
+
+def _object_sha256(fs, path: str, key: list) -> str:
+    """The SHA-256 of an object's content, cached by `key` (URL, size, version) when the store gives a version;
+    without one it is read every time."""
+    import hashlib
+
+    from eagle_core.target import cached_sha256
+
+    if key[-1]:
+        return cached_sha256(key, lambda: fs.open(path, "rb"))
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 # --------------------------------------------------------------------------------------------------
 # The Ray Data stage
 # --------------------------------------------------------------------------------------------------

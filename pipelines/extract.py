@@ -4,7 +4,9 @@ What an output folder holds (shards, regenerated conversations, quarantine, `man
 schema: `pipelines.feature_files`.
 
 Exactly-once: shard k holds rows [k*R, (k+1)*R) of the ingested corpus in input order and its name carries a
-hash of its ids, so a rerun maps the same rows to the same names and skips every shard already committed.
+hash of its rows (ids and content), so a rerun maps the same rows to the same names and skips every shard already
+committed, and a row edited in place lands in a shard of another name, extracted anew. The manifest lists exactly
+the shards of this run's rows (training reads no others) and the corpus files by content (`corpus_files`).
 """
 
 from __future__ import annotations
@@ -82,14 +84,17 @@ class ExtractConfig:
 # Shards: planning and reuse
 # --------------------------------------------------------------------------------------------------
 
-def shard_name(index: int, ids: list[str]) -> str:
-    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:10]
-    return f"shard-{index:05d}-{digest}"
+def shard_name(index: int, rows: list[dict]) -> str:
+    """`shard-<index>-<hash>`: the hash covers the rows' ids and their content (messages, tools), so a corpus
+    edited in place with its ids kept names the changed rows' shards anew; they are extracted again (and
+    regenerated: the cache under regenerated/ is named by the shard too) while unchanged shards are kept."""
+    text = "\n".join(json.dumps(r, ensure_ascii=False, sort_keys=True) for r in rows)
+    return f"shard-{index:05d}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
 def plan_shards(rows: list[dict], rows_per_shard: int) -> list[dict]:
     return [
-        {"shard": shard_name(k // rows_per_shard, [r["id"] for r in rows[k:k + rows_per_shard]]),
+        {"shard": shard_name(k // rows_per_shard, rows[k:k + rows_per_shard]),
          "rows_json": json.dumps(rows[k:k + rows_per_shard], ensure_ascii=False)}
         for k in range(0, len(rows), rows_per_shard)
     ]
@@ -305,6 +310,7 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     from transformers import AutoConfig
 
     from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids
+    from pipelines.data import corpus_fingerprint
 
     started = time.perf_counter()
     folder = materialize_hf_folder(config.target)  # resolved once: a hub id or a URL is not fetched again
@@ -312,6 +318,7 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     device = "cuda" if _actor_resources(config)["num_gpus"] else "cpu"
     fingerprint = extraction_fingerprint(config, folder, target_config, device)
     prepare_output(config, fingerprint)  # refuses an output made differently (or empties it: overwrite)
+    corpus_files = corpus_fingerprint(config.corpus)  # the corpus by content, recorded in the manifest
     ingested, rows = _ingest_rows(config)
     print(f"[extract] {ingested.stats.summary()}", flush=True)
     if ingested.stats.quarantined:
@@ -340,6 +347,7 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
                               ingested.stats.to_dict(), fingerprint["target_weights_hash"])
     manifest.fingerprint = fingerprint
+    manifest.corpus_files = corpus_files
     manifest.seconds = time.perf_counter() - started
     manifest.reused_shards = reused
     if config.mlflow_experiment:

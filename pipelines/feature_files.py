@@ -89,6 +89,7 @@ class FeatureManifest:
     reused_shards: list[str] = field(default_factory=list)
     mlflow_run_id: str | None = None
     fingerprint: dict | None = None  # what made the shards (`extraction_fingerprint`); None: written before it existed
+    corpus_files: list[dict] = field(default_factory=list)  # the corpus by content: [{file, size, sha256}]
 
     def __post_init__(self):
         if self.schema_version != SCHEMA_VERSION:

@@ -28,6 +28,7 @@ def manifest_json() -> dict:
         "fingerprint": {"target_weights_hash": "0123456789abcdef", "tokenizer_hash": "fedcba9876543210",
                         "max_length": 2048, "dtype": "bfloat16", "aux_layer_ids": [2, 15, 27], "regeneration": None,
                         "corpus": "sharegpt"},
+        "corpus_files": [{"file": "file:///data/sharegpt.json", "size": 1000, "sha256": "9f" * 32}],
     }
 
 

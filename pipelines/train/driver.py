@@ -40,6 +40,7 @@ def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, di
     from pipelines.feature_files import load_manifest
 
     manifest = load_manifest(config.features)
+    check_features_target(config.features, manifest, config.target or manifest.target)
     shards = [s.name for s in manifest.shards]  # exactly the manifest's shards, not whatever else the folder holds
     train_rows, eval_rows = split_heldout(scan_features(config.features, shards), config.eval_fraction)
     plan, train_entries, eval_entries = make_plan(train_rows, eval_rows, config, world)
@@ -47,6 +48,24 @@ def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, di
     meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
             "dtype": manifest.dtype, "token_counts": manifest.token_counts}
     return meta, plan, per_rank, Lineage.of_features(config.features, manifest), config.target or manifest.target
+
+
+def check_features_target(features: str, manifest, target: str) -> None:
+    """Features pair only with the target they were extracted with: its weights' content hash and its tokenizer
+    now must be those the manifest recorded. A target folder updated in place (same path, same config) would
+    otherwise train old hidden states against new embeddings, lm_head and norm; it is refused, naming the fields."""
+    from eagle_core.target import materialize_hf_folder, weights_fingerprint
+    from pipelines.feature_files import check_fingerprint, tokenizer_fingerprint
+
+    made = manifest.fingerprint or {}
+    recorded = {"target_weights_hash": made.get("target_weights_hash", manifest.target_weights_hash)}
+    current = {"target_weights_hash": weights_fingerprint(target)}
+    if "tokenizer_hash" in made:
+        recorded["tokenizer_hash"] = made["tokenizer_hash"]
+        current["tokenizer_hash"] = tokenizer_fingerprint(materialize_hf_folder(target))
+    check_fingerprint(recorded, current, f"the features in {features} (target {target})",
+                      "Re-extract them with this target (jobs/extract.py --overwrite), or train with the target "
+                      "they were extracted with.")
 
 
 def _stream_data(config: TrainJobConfig) -> tuple[dict, TrainPlan, dict, Lineage, str]:
@@ -94,14 +113,17 @@ TRAINING_FINGERPRINT_FIELDS = ("target", "epochs", "max_steps", "lr", "min_lr_ra
 
 
 def training_fingerprint(config: TrainJobConfig) -> dict:
-    """What made a training output: the decisive job fields and, in features mode, the extraction's fingerprint
-    and the exact shard list of its manifest (a hash), so a resumed or reused run is checked against them."""
+    """What made a training output: the decisive job fields, the target's weights by content and, in features
+    mode, the extraction's fingerprint and the exact shard list of its manifest (a hash), in streaming mode the
+    corpus files by content; a resumed or reused run is checked against them."""
     import hashlib
 
     fingerprint = {k: getattr(config, k) for k in TRAINING_FINGERPRINT_FIELDS}
     # the warm-up that takes effect: explicit steps, else the ratio (which explicit steps make irrelevant)
     fingerprint["warmup"] = ({"steps": config.warmup_steps} if config.warmup_steps is not None
                              else {"ratio": config.warmup_ratio})
+    from eagle_core.target import weights_fingerprint
+
     if config.features is not None:
         from pipelines.feature_files import load_manifest
 
@@ -109,6 +131,12 @@ def training_fingerprint(config: TrainJobConfig) -> dict:
         fingerprint["features_fingerprint"] = manifest.fingerprint
         fingerprint["features_shards"] = hashlib.sha256("\n".join(s.name for s in manifest.shards).encode()
                                                         ).hexdigest()[:16]
+        fingerprint["target_weights_hash"] = weights_fingerprint(config.target or manifest.target)
+    else:  # streaming: the target and the corpus by content (the path and the URL may hold new bytes)
+        from pipelines.data import corpus_fingerprint
+
+        fingerprint["target_weights_hash"] = weights_fingerprint(config.target)
+        fingerprint["corpus_files"] = corpus_fingerprint(config.corpus)
     return json.loads(json.dumps(fingerprint))  # as it reads back from JSON (tuples as lists)
 
 
