@@ -9,11 +9,11 @@ Greedy acceptance: follow the children whose token equals the target's argmax at
 as one exists; the bonus is the argmax at the last accepted node. Output = plain greedy decoding.
 
 Sampling: every position's randomness is a function of (seed, absolute position) alone (Gumbel noise
-from a generator seeded by a hash of the pair, `gumbel_noise`), so a token is the target's *noisy* argmax
-at its parent and sampling acceptance is greedy acceptance on noisy logits (`accept_sampling`, with the
-proof). A seeded request therefore yields the same tokens whether it is decoded plain, with chains or with
-trees, whatever the draft and whatever it is batched with (on one device type: CPU and CUDA generators
-draw different streams).
+from a counter-based hash of (seed, position, token) in integer tensor ops, `gumbel_noise`), so a token is
+the target's *noisy* argmax at its parent and sampling acceptance is greedy acceptance on noisy logits
+(`accept_sampling`, with the proof). A seeded request therefore yields the same tokens whether it is decoded
+plain, with chains or with trees, whatever the draft and whatever it is batched with; the noise is the same
+on CPUs and GPUs, and needs neither a generator nor the host (a CUDA graph can capture it).
 """
 
 from __future__ import annotations
@@ -61,41 +61,80 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return filtered_logits(logits, sampling).softmax(dim=-1)
 
 
-# ---- counter-based randomness: the noise of a position depends on (seed, position) only ----------------------
+# ---- counter-based randomness: the noise of a token depends on (seed, position, token) only ------------------
+#
+# SplitMix64 (Steele, Lea & Flood 2014) in int64 tensor arithmetic: a position's key is a mix of (seed,
+# position), and token j's 64 random bits are mix64(key + (j + 1) * GAMMA), SplitMix64's own counter form. Pure
+# elementwise integer ops on device tensors: no generator, no host round trip, capturable in a CUDA graph, and
+# the same bits on every device (two's-complement int64 arithmetic wraps alike on CPUs and GPUs).
 
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _int64(x: int) -> int:
+    """The signed int64 with the bits of x mod 2^64 (how a 64-bit constant is written into an int64 tensor)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
 
 
-def position_seed(seed: int, position: int) -> int:
-    """The seed of one position's noise: a hash of (seed, absolute position), in [0, 2^63)."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
+_GAMMA = _int64(0x9E3779B97F4A7C15)
+_MUL1 = _int64(0xBF58476D1CE4E5B9)
+_MUL2 = _int64(0x94D049BB133111EB)
 
 
-def gumbel_noise(seeds: list[int], positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [B, M, V] (float32), a pure function of (seed, position) on a device type.
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits: `>>` on int64 is arithmetic (copies the sign bit), so mask it off."""
+    return (x >> s).bitwise_and_((1 << (64 - s)) - 1)
 
-    seeds: one per row; positions: [B, M] absolute positions of the tokens being drawn. Each (seed,
-    position) pair seeds its own generator (`position_seed`), so the same pair always gives the same
-    noise, in any batch and for any decoding mode, and different pairs give independent streams.
+
+def _mix64_(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on an int64 tensor, in place (multiplications wrap mod 2^64): a bijection of words."""
+    x ^= _shr(x, 30)
+    x *= _MUL1
+    x ^= _shr(x, 27)
+    x *= _MUL2
+    x ^= _shr(x, 31)
+    return x
+
+
+def seed_tensor(seeds, device) -> torch.Tensor:
+    """Per-row seeds as an int64 tensor [B] on `device` (Python ints are taken mod 2^64); a tensor passes through."""
+    if isinstance(seeds, torch.Tensor):
+        return seeds.to(device=device, dtype=torch.long)
+    return torch.tensor([_int64(s) for s in seeds], dtype=torch.long, device=device)
+
+
+def noise_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms [B, M, V] (float64) in (0, 1), a pure function of (seed, position, token) on any device.
+
+    seeds: [B] (ints or int64); positions: [B, M]. Integer ops, then one exact conversion (`_open_unit`): u is
+    never 0 or 1 and equal bit for bit on every device.
     """
-    device = positions.device
-    rows = []
-    for seed, row in zip(seeds, positions.tolist()):
-        for position in row:
-            g = torch.Generator(device=device).manual_seed(position_seed(seed, position))
-            rows.append(torch.rand(vocab, generator=g, device=device, dtype=torch.float64))
-    u = torch.stack(rows).view(*positions.shape, vocab)
-    return (-torch.log(-torch.log(u))).float()  # u = 0 gives -inf: never the argmax
+    seeds = seed_tensor(seeds, positions.device)
+    # every operand of an in-place mix below is a fresh tensor
+    key = _mix64_(_mix64_(seeds + _GAMMA)[:, None] ^ positions.long())  # [B, M]: one stream per (seed, position)
+    counter = torch.arange(1, vocab + 1, dtype=torch.long, device=positions.device) * _GAMMA  # [V], wraps
+    return _open_unit(_mix64_(key[:, :, None] + counter))  # [B, M, V]
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+def _open_unit(bits: torch.Tensor) -> torch.Tensor:
+    """64-bit words -> float64 in (0, 1): the top 52 bits k give (2k + 1) / 2^53 (the top 53 bits with the lowest
+    set, scaled), exact, in [2^-53, 1 - 2^-53]."""
+    return _shr(bits, 11).bitwise_or_(1).double().mul_(2.0 ** -53)
+
+
+def gumbel_noise(seeds, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, M, V] (float32), a pure function of (seed, position, token).
+
+    seeds: one per row (a list of ints or an int64 tensor [B]); positions: [B, M] absolute positions of the tokens
+    being drawn. The same (seed, position) always gives the same noise, in any batch, for any decoding mode and on
+    any device (`noise_uniforms` is integer arithmetic; -log(-log u) then rounds alike up to the last bit of the
+    float64 log, which the float32 result almost never sees); different pairs give independent streams.
+    """
+    return noise_uniforms(seeds, positions, vocab).log().neg_().log_().neg_().float()
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds=None,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """The token at each position: logits [B, M, V] -> [B, M].
 
@@ -108,7 +147,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[in
     return noisy.argmax(dim=-1)
 
 
-def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, seeds=None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from logits [B, V] drawn at positions [B] (see `sample_tokens`)."""
     pos = positions[:, None] if positions is not None else None
@@ -161,13 +200,13 @@ def level_positions(root_positions: torch.Tensor, levels: torch.Tensor) -> torch
     return root_positions[:, None] + levels[None, :] + 1
 
 
-def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int],
+def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds,
                     root_positions: torch.Tensor) -> Acceptance:
     """Greedy acceptance on the noisy logits: exactly the tokens plain sampling would have drawn.
 
     Rule: the token after node u (at absolute position q(u) = root position + depth(u) + 1) is
-    x(u) = argmax(filtered logits(u) + G(seed, q(u))), with G the Gumbel noise of `gumbel_noise` (a
-    generator seeded by a hash of (seed, q)). A drafted child is accepted exactly when it equals
+    x(u) = argmax(filtered logits(u) + G(seed, q(u))), with G the Gumbel noise of `gumbel_noise` (a hash
+    of (seed, q, token)). A drafted child is accepted exactly when it equals
     x(parent); the bonus is x(last accepted node). Nodes at the same depth share their noise (same
     position): the noise is a property of the position in the sequence, not of the tree.
 
@@ -188,7 +227,7 @@ def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, 
     return accept_tokens(tree, (filtered_logits(logits, sampling) + noise).argmax(dim=-1))
 
 
-def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds=None,
            root_positions: torch.Tensor | None = None) -> Acceptance:
     if sampling.greedy:
         return accept_greedy(tree, logits)
@@ -196,7 +235,7 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds: li
 
 
 @torch.no_grad()
-def accept_on_path(target, tree: Tree, hidden: torch.Tensor, sampling: SamplingConfig, seeds: list[int] | None = None,
+def accept_on_path(target, tree: Tree, hidden: torch.Tensor, sampling: SamplingConfig, seeds=None,
                    root_positions: torch.Tensor | None = None) -> Acceptance:
     """`accept(tree, lm_logits(target, hidden), ...)` with the lm_head applied only where acceptance looks.
 
@@ -211,11 +250,12 @@ def accept_on_path(target, tree: Tree, hidden: torch.Tensor, sampling: SamplingC
     node = torch.zeros(b, dtype=torch.long, device=device)
     bonus = torch.zeros(b, dtype=torch.long, device=device)
     active = torch.arange(b, device=device)  # rows whose last chosen token was a child in the tree
+    seeds = None if sampling.greedy else seed_tensor(seeds, device)
     for level in range(int(tree.depth.max()) + 1):
         at = node[active]
         logits = lm_logits(target, hidden[active, at][:, None])  # [A, 1, V]
         positions = None if sampling.greedy else (root_positions[active] + level + 1)[:, None]
-        rows_seeds = None if sampling.greedy else [seeds[i] for i in active.tolist()]
+        rows_seeds = None if sampling.greedy else seeds[active]
         chosen = sample_tokens(logits, sampling, rows_seeds, positions)[:, 0]  # [A]
         bonus[active] = chosen
         child = ((tree.parents[active] == at[:, None]) & (tree.depth[active] == level + 1)

@@ -144,7 +144,7 @@ def test_a_tree_round_says_what_a_chain_would_have_accepted(damped, sampling):
     candidate of two levels (so every node the chain would draft), and no more than it where a deeper tree
     was pruned."""
     prompts = random_prompts(16, 512, seed=11)
-    seeds = list(range(200, 216))
+    seeds = list(range(300, 316))  # seeds where the sampled tree round accepts more than the chain (non-trivial)
     draft = echo_draft(damped)
     with torch.no_grad():  # a noisy head: its best guess is often wrong where a sibling is right
         head = draft.get_parameter("lm_head.weight")
