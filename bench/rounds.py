@@ -5,8 +5,9 @@
 
 Decodes MT-bench prompts (batch 1, greedy) with our plain loop and with one speculative mode ("tree", or
 "context" when the tree has a context chain), the two interleaved per prompt. Every phase function of
-`eagle_core.decoding` is wrapped by a timer while it runs (`PhaseTimer`: exclusive wall time, the device
-synchronised at each boundary), so the table splits a measured round into draft tree, context lookup and
+`eagle_core.decoding` is wrapped by a timer while it runs (`PhaseTimer`: exclusive wall time, marked with the
+device's `eagle_core.timing.Timer` -- CUDA events on a GPU, so the round runs unsynchronised -- and read at the
+round's end), so the table splits a measured round into draft tree, context lookup and
 graft, verify forward, acceptance, cache keeps, the draft's cache extension and the round's own bookkeeping,
 and the generation loop's time outside the rounds. Beside it the cost model the auto-tune uses
 (`eagle_core.autotune.round_ms`: the draft's levels and a verify forward of nodes + 1 tokens, timed in isolation on a
@@ -31,12 +32,13 @@ from eagle_core import decoding
 from eagle_core.autotune import (autotune, draft_cases, head_cases, interpolate, monotone, round_ms, target_forward_cases,
                                  timed)
 from eagle_core.chat import prompt_ids
-from eagle_core.decoding import CONTEXT, DecodingState, clock
+from eagle_core.decoding import CONTEXT, DecodingState
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.lookup import ContextIndex
 from eagle_core.shipped import shipped_draft
 from eagle_core.target import SMOLLM2_NAME, cpu_has_native_bf16, resolve_dtype
+from eagle_core.timing import timer_for
 from eagle_core.tree import TreeConfig
 from pipelines.prompt_sets import prompt_set
 
@@ -68,14 +70,18 @@ ORDER = ("draft catch-up", "context lookup", "draft tree", "graft chain", "verif
 
 class PhaseTimer:
     """Exclusive wall time per (mode, phase) while installed: a phase's time excludes the wrapped phases it calls,
-    so the phases of one round add up to the round. The mode is that of the enclosing `DecodingState.step`."""
+    so the phases of one round add up to the round. The mode is that of the enclosing `DecodingState.step`. Each
+    phase is a pair of the device timer's marks; they are read when the round ends (its tokens are on the host by
+    then, so reading waits for nothing)."""
 
     def __init__(self, device):
         self.device = device
+        self.timer = timer_for(device)
         self.ms = defaultdict(float)  # (mode, phase) -> ms
         self.rounds = defaultdict(int)  # mode -> rounds
         self.widths = defaultdict(list)  # mode -> tokens of each verify forward (the chain is grafted where it matched)
-        self.stack: list[list] = []  # [phase, start, time spent in wrapped callees]
+        self.stack: list[list] = []  # [phase, start mark, (start, end) marks of the wrapped callees]
+        self.pending: list[tuple] = []  # (mode, phase, start, end, callees) of the running round, read at its end
         self.mode = None
         self.saved: list[tuple] = []
 
@@ -89,19 +95,27 @@ class PhaseTimer:
                 return fn(*args, **kwargs)
             if phase == "verify forward":  # verify_hidden(target, kv, tree, aux_layer_ids)
                 self.widths[self.mode].append(args[2].tokens.shape[1])
-            frame = [phase, clock(self.device), 0.0]
+            frame = [phase, self.timer.mark(), []]
             self.stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = clock(self.device) - frame[1]
+                end = self.timer.mark()
                 self.stack.pop()
-                self.ms[(self.mode, phase)] += 1000 * (elapsed - frame[2])
+                self.pending.append((self.mode, phase, frame[1], end, frame[2]))
                 if self.stack:
-                    self.stack[-1][2] += elapsed
+                    self.stack[-1][2].append((frame[1], end))
                 if phase == "bookkeeping":
+                    self.read_round()
                     self.mode = None
         return timed_call
+
+    def read_round(self) -> None:
+        """Add the ended round's exclusive phase times: each phase's span less its wrapped callees' spans."""
+        seconds = self.timer.seconds
+        for mode, phase, start, end, callees in self.pending:
+            self.ms[(mode, phase)] += 1000 * (seconds(start, end) - sum(seconds(a, b) for a, b in callees))
+        self.pending.clear()
 
     def __enter__(self):
         for owner, name, phase in PHASES:

@@ -45,9 +45,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from eagle_core.decoding import CONTEXT, clock, draft_extend, prefill
+from eagle_core.decoding import CONTEXT, draft_extend, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV, lm_logits
+from eagle_core.timing import timer_for
 from eagle_core.tree import NO_TOKEN, TreeConfig, tree_from_parents
 from eagle_core.verify import verify_tree
 
@@ -114,20 +115,26 @@ def interleaved_ms(device, cases: dict, repeats: int = 9) -> dict:
     the state back after each run, so every repeat times the same work): each repeat runs every case once, starting from a
     different case each time, after one untimed pass. On a shared machine a burst or a drift then lands on
     every case alike instead of on whichever was being timed, so ratios between cases (what the auto-tune and the
-    cost table compare) hold even when absolute times move (on shared CPUs they move by tens of percent between runs)."""
+    cost table compare) hold even when absolute times move (on shared CPUs they move by tens of percent between runs).
+    Timed with the device's `eagle_core.timing.Timer` (CUDA events on a GPU), each run starting on an idle device, as
+    a decoding round does; the times are read once, at the end."""
     keys = list(cases)
-    times = {key: [] for key in keys}
+    timer = timer_for(device)
+    spans = {key: [] for key in keys}
     for rep in range(repeats + 1):
         for key in rotation(keys, rep):
             run, undo = cases[key]
-            t0 = clock(device)
+            timer.settle()  # untimed
+            start = timer.mark()
             run()
-            elapsed = clock(device) - t0
+            end = timer.mark()
             if rep:  # the first pass warms up
-                times[key].append(elapsed)
+                spans[key].append((start, end))
             if undo is not None:
                 undo()
-    return {key: 1000 * sorted(t)[len(t) // 2] for key, t in times.items()}
+    timer.settle()
+    times = {key: sorted(timer.seconds(start, end) for start, end in s) for key, s in spans.items()}
+    return {key: 1000 * t[len(t) // 2] for key, t in times.items()}
 
 
 def target_forward_cases(target, widths, context_tokens: int = 256, aux_layer_ids=None) -> dict:

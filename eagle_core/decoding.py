@@ -7,7 +7,8 @@ forward -> keep the accepted path in both caches). Then `DecodingState`, which o
 carries between rounds -- target and draft caches, roots, the draft's hidden state, per-row samplers and
 the draft inputs that plain steps deferred -- and offers `prefill`, `step(mode)`, `select_rows_` (finished
 rows leave) and `merge_` (new rows join). Every call returns a `Step`: the tokens each row committed and
-what it cost.
+what it cost, timed by the device's `eagle_core.timing.Timer` (CUDA events on a GPU: no synchronisation inside
+a round; the times are read once its tokens are on the host).
 
 Two drivers: `eagle_core.generate.generate` (a fixed batch to the end, one mode) and the serving engine
 (continuous batching, a mode chosen per round). Both only schedule; the tensors live here.
@@ -29,7 +30,8 @@ from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
-from eagle_core.verify import SamplingConfig, accept, accept_on_path, sample_next, verify_hidden
+from eagle_core.timing import Timer, timer_for
+from eagle_core.verify import SamplingConfig, accept, accept_on_path, sample_next, seed_tensor, verify_hidden
 
 MODES = ("tree", "chain", "plain")
 CONTEXT = "context"  # the tree with its context chain (`TreeConfig.context_chain` > 0)
@@ -63,7 +65,8 @@ def context_yield(proposal: list[int], committed: list[int]) -> int:
 
 
 def clock(device) -> float:
-    """Seconds (perf_counter) once the device's queued work is done: the one timer of decoding and autotune."""
+    """Seconds (perf_counter) once the device's queued work is done: for benchmarks timing whole calls. Decoding,
+    the auto policy and the auto-tune use `eagle_core.timing` instead, which never waits for the device."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -140,23 +143,34 @@ class RoundOutput:
     accept_length: torch.Tensor  # [B]
     root: torch.Tensor  # [B] the bonus token: the next round's root
     draft_hidden: torch.Tensor  # [B, 1, H]
-    draft_s: float
-    verify_s: float
+    timer: Timer
+    marks: tuple  # the timer's marks: start, tree drafted, verified and kept, draft extended
     tree: Tree | None = None  # what was verified, and the accepted path in it (autotune reads both)
     path: torch.Tensor | None = None  # [B, W]
+
+    # Read once the round's tokens are on the host (`eagle_core.timing`).
+    @property
+    def draft_s(self) -> float:
+        t0, t1, t2, t3 = self.marks
+        return self.timer.seconds(t0, t1) + self.timer.seconds(t2, t3)
+
+    @property
+    def verify_s(self) -> float:
+        return self.timer.seconds(self.marks[1], self.marks[2])
 
 
 def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
                        tree_config: TreeConfig, sampling: SamplingConfig, seeds, aux_layer_ids,
-                       context: torch.Tensor | None = None) -> RoundOutput:
+                       context: torch.Tensor | None = None, timer: Timer | None = None) -> RoundOutput:
     """One round: draft a tree from the root (with the context chain `context` [B, L] grafted under it, if
     given: `graft_chain`), verify it in one target forward, keep the accepted path."""
     device = root.device
-    t0 = clock(device)
+    timer = timer or timer_for(device)
+    t0 = timer.mark()
     tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
     if context is not None:
         tree = graft_chain(tree, context)
-    t1 = clock(device)
+    t1 = timer.mark()
     past_width, root_positions = kv.width, kv.lengths
     hidden, aux = verify_hidden(target, kv, tree, aux_layer_ids)  # [B, N, H], [B, N, 3H]
     if tree_config.path_logits:
@@ -164,7 +178,7 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     else:
         acc = accept(tree, lm_logits(target, hidden), sampling, seeds, root_positions)
     kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
-    t2 = clock(device)
+    t2 = timer.mark()
     # The path's features go to the draft, each paired with the token that follows it on the path
     # (the bonus after the last accepted node): exactly the tokens this round commits.
     path_tokens = tree.tokens.gather(1, acc.path)  # [B, W] root first
@@ -173,9 +187,8 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     committed = torch.where(steps == acc.accept_length[:, None], acc.bonus[:, None], following)
     aux_path = aux.gather(1, acc.path[:, :, None].expand(-1, -1, aux.shape[-1]))
     draft_hidden = draft_extend(draft, dkv, aux_path, committed, acc.accept_length + 1)
-    t3 = clock(device)
-    return RoundOutput(committed, acc.accept_length, acc.bonus, draft_hidden, (t1 - t0) + (t3 - t2), t2 - t1,
-                       tree, acc.path)
+    t3 = timer.mark()
+    return RoundOutput(committed, acc.accept_length, acc.bonus, draft_hidden, timer, (t0, t1, t2, t3), tree, acc.path)
 
 
 # ---- the state ---------------------------------------------------------------------------------------------
@@ -219,13 +232,14 @@ class DecodingState:
 
     def __init__(self, target, draft, sampling: SamplingConfig, tree: TreeConfig | None, kv: TargetKV,
                  dkv: DraftKV | None, root: torch.Tensor, draft_hidden: torch.Tensor | None,
-                 seeds: list[int] | None):
+                 seeds: torch.Tensor | None):
         self.target, self.draft, self.sampling, self.tree = target, draft, sampling, tree
         self.aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         self.kv, self.dkv = kv, dkv
         self.root = root  # [B] last committed token, not yet in the target's cache
         self.draft_hidden = draft_hidden  # [B, 1, H] the draft's output paired with the root
-        self.seeds = seeds  # the sampling seed of every row, None when greedy
+        self.seeds = seeds  # [B] int64, the sampling seed of every row; None when greedy
+        self.timer = timer_for(root.device)  # marks the rounds' phases (`eagle_core.timing`)
         # Every row's text (prompt + committed tokens) indexed for prompt lookup, where the tree has a context chain.
         self.context: list[ContextIndex] | None = None
         # Plain steps defer the draft's cache update: their target features and tokens wait here
@@ -234,16 +248,17 @@ class DecodingState:
 
     @classmethod
     def prefill(cls, target, draft, prompts: list[list[int]], sampling: SamplingConfig,
-                tree: TreeConfig | None = None, seeds: list[int] | None = None) -> tuple["DecodingState", Step]:
+                tree: TreeConfig | None = None, seeds=None) -> tuple["DecodingState", Step]:
         """Prompts through the target (and their features into the draft); the Step holds each first token.
 
-        seeds: one per row, for sampling (ignored when greedy). A row's tokens are a function of its prompt,
-        the sampling settings and its seed alone: the token at absolute position t uses the noise of
-        (seed, t) (`verify.sample_tokens`), whichever mode, draft or batch decodes it.
+        seeds: one per row (ints, or an int64 tensor), for sampling (ignored when greedy). A row's tokens are a
+        function of its prompt, the sampling settings and its seed alone: the token at absolute position t uses
+        the noise of (seed, t) (`verify.sample_tokens`), whichever mode, draft or batch decodes it.
         """
         device = target.get_input_embeddings().weight.device
-        t0 = clock(device)
-        seeds = None if sampling.greedy else list(seeds)
+        timer = timer_for(device)
+        t0 = timer.mark()
+        seeds = None if sampling.greedy else seed_tensor(seeds, device)
         kv = TargetKV(len(prompts), device)
         aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
@@ -256,7 +271,7 @@ class DecodingState:
         first = root.tolist()
         if draft is not None and tree is not None and tree.context_chain > 0:
             state.context = [ContextIndex(p + [t]) for p, t in zip(prompts, first)]
-        return state, Step("prefill", [[t] for t in first], None, 0.0, clock(device) - t0)
+        return state, Step("prefill", [[t] for t in first], None, 0.0, timer.seconds(t0, timer.mark()))
 
     @property
     def device(self):
@@ -274,18 +289,18 @@ class DecodingState:
         if mode == CONTEXT and self.context is None:
             raise ValueError("mode 'context' needs a tree with context_chain > 0 (TreeConfig.context_chain)")
         tree = self.tree if mode in ("tree", CONTEXT) else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
-        t0 = clock(self.device)
+        timer = self.timer
+        start = timer.mark()
         caught_up = self.catch_up_draft_()
-        catch_up_s = clock(self.device) - t0 if caught_up else 0.0
-        # The rows' lookups (host only, timed without a device sync and charged to the round's draft time):
+        caught_up_at = timer.mark()
+        # The rows' lookups (host only, charged to the round's draft time up to the round's own first mark):
         # grafted in a context round, and what a tree round's rows would have committed with them (`Step.also`).
-        lookup_s, proposals = time.perf_counter(), None
+        proposals = None
         if self.context is not None and mode in ("tree", CONTEXT):
             proposals = [index.propose(self.tree.context_chain) for index in self.context]
         grafted = context_tensor(proposals, self.device) if mode == CONTEXT else None
-        lookup_s = time.perf_counter() - lookup_s
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
-                                 self.sampling, self.seeds, self.aux_layer_ids, grafted)
+                                 self.sampling, self.seeds, self.aux_layer_ids, grafted, timer)
         self.root, self.draft_hidden = out.root, out.draft_hidden
         also = {"plain": self.batch_size}
         if mode == "chain":
@@ -301,8 +316,10 @@ class DecodingState:
         tokens = [t[: n + 1] for t, n in zip(out.tokens.tolist(), accept_lengths)]
         if mode == "tree" and proposals is not None:
             also[CONTEXT] = sum(context_yield(p, t) for p, t in zip(proposals, tokens))
-        step = Step(mode, tokens, accept_lengths, out.draft_s + lookup_s + catch_up_s, out.verify_s, out, catch_up_s,
-                    also)
+        # the tokens are on the host: every mark of the round has been reached, reading the times waits for nothing
+        catch_up_s = timer.seconds(start, caught_up_at) if caught_up else 0.0
+        draft_s = timer.seconds(start, out.marks[0]) + out.draft_s  # catch-up and lookup, then the round's own
+        step = Step(mode, tokens, accept_lengths, draft_s, out.verify_s, out, catch_up_s, also)
         return self._record_context(step)
 
     def _record_context(self, step: Step) -> Step:
@@ -314,14 +331,15 @@ class DecodingState:
 
     def _plain_step(self) -> Step:
         """With a draft, the step's features are kept (deferred) so that trees can resume later."""
-        t0 = clock(self.device)
+        t0 = self.timer.mark()
         nxt, aux = plain_step(self.target, self.kv, self.root, self.sampling, self.seeds, self.aux_layer_ids)
         if self.draft is not None:
             # Feature of the root's position pairs with the token after it (EAGLE's pairing, as in prefill).
             self.pending.append((aux, nxt[:, None]))
         self.root = nxt
         # No draft tokens were proposed: the step has no accept_length (tau counts speculative rounds).
-        return Step("plain", [[t] for t in nxt.tolist()], None, 0.0, clock(self.device) - t0)
+        tokens = [[t] for t in nxt.tolist()]
+        return Step("plain", tokens, None, 0.0, self.timer.seconds(t0, self.timer.mark()))
 
     def catch_up_draft_(self) -> bool:
         """Extend the draft's cache with every deferred plain step in one forward (same entries as one by one)."""
@@ -346,7 +364,7 @@ class DecodingState:
             self.dkv.select_rows_(idx)
             self.draft_hidden = self.draft_hidden[idx]
         if self.seeds is not None:
-            self.seeds = [self.seeds[i] for i in keep]
+            self.seeds = self.seeds[idx]
         if self.context is not None:
             self.context = [self.context[i] for i in keep]
 
@@ -360,7 +378,7 @@ class DecodingState:
         self.kv.merge_(other.kv)
         self.root = torch.cat([self.root, other.root])
         if self.seeds is not None:
-            self.seeds = self.seeds + other.seeds
+            self.seeds = torch.cat([self.seeds, other.seeds])
         # both built from the same tree config (one lane's); a batch lacking its rows' texts cannot look up
         self.context = self.context + other.context if self.context is not None and other.context is not None \
             else None

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_core.decoding import DecodingState, Step, available_modes, clock
+from eagle_core.decoding import DecodingState, Step, available_modes
 from eagle_core.policy import ModeChooser
+from eagle_core.timing import timer_for
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 
@@ -151,7 +152,8 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
         mode = "plain"
     chooser = (chooser or ModeChooser(modes)) if mode == "auto" else None
 
-    t_start = clock(device)
+    timer = timer_for(device)  # CUDA events on a GPU: the loop never waits for the device to time itself
+    t_start = timer.mark()
     state, step = DecodingState.prefill(target, draft, input_ids, SamplingConfig(temperature, top_p, top_k),
                                         tree, seeds=[seed + i for i in range(len(input_ids))])
     active = list(range(len(input_ids)))  # batch row -> request index
@@ -161,7 +163,7 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
         finished = [requests[i].record(step, row) for row, i in enumerate(active)]
         for i, done in zip(active, finished):
             if done:
-                requests[i].stats.total_s = clock(device) - t_start
+                requests[i].stats.total_s = timer.seconds(t_start, timer.mark())  # after the round's tokens came back
         keep = [row for row, done in enumerate(finished) if not done]
         if not keep:
             break
