@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from pipelines.cli import add_recipe_option, comma_separated
@@ -117,10 +116,10 @@ def main(argv=None) -> int:
     result = run_retrain(config)
     print(json.dumps(result, indent=1))
     if results:
-        os.makedirs(os.path.dirname(os.path.abspath(results)), exist_ok=True)
-        with open(results, "w") as f:
-            json.dump({"command": "python jobs/retrain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "config": config.to_dict(), **result}, f, indent=1)
+        from pipelines.storage import commit_json
+
+        commit_json(results, {"command": "python jobs/retrain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                              "config": config.to_dict(), **result})
     return 0
 
 

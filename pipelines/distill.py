@@ -37,6 +37,7 @@ from eagle_core.vocab import TokenCounter, build_vocab_mapping
 from eagle_core.recipe import REFERENCE
 from pipelines import console
 from pipelines.cli import config_from_fields, option
+from pipelines.storage import commit_bytes
 from pipelines.train.model import warm_start
 
 
@@ -213,7 +214,7 @@ class Distiller:
         save_draft(draft, self.out / "draft", dtype=torch.bfloat16)
         info = {"step": progress.step, "conversations_seen": progress.seen, "cpu_s": round(progress.cpu_s, 1),
                 "tokens": progress.tokens, "config": asdict(self.cfg), **metrics}
-        (self.out / "draft" / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+        commit_bytes(str(self.out / "draft" / "training.json"), (json.dumps(info, indent=2) + "\n").encode())
 
     def rows(self, chunk: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
         """Training rows of a chunk of conversations, with the answers `cfg.answers` asks for."""

@@ -1,10 +1,11 @@
 """Every input and output of every stage is a URL: a local path, `file://`, `s3://`, `gs://`, any fsspec filesystem.
 
 - `join` builds URLs; `url_to_fs` resolves one to (filesystem, path).
-- `commit_bytes` writes a file so that no reader sees half of it: on a local filesystem it writes a temporary
-  file and renames it; an object store has no rename (s3fs's `mv` is copy + delete), but a single PUT is atomic
+- `commit_bytes` (and `commit_json`) is how every JSON, manifest and shard is written, so that no reader sees
+  half of one: on a local filesystem it writes a temporary file, fsyncs it and renames it (a failed write removes
+  the temporary file); an object store has no rename (s3fs's `mv` is copy + delete), but a single PUT is atomic
   (the object appears whole or not at all), so it is one `pipe`.
-- `upload_folder` copies a local folder to a URL file by file (no folder rename).
+- `upload_folder` copies a local folder to a URL: to a temporary sibling first, swapped in after.
 - `arrow_filesystem` hands Ray Data and Ray Train the same filesystem fsspec resolved, endpoint and credentials
   included (pyarrow's own S3 resolution ignores `AWS_ENDPOINT_URL`, s3fs honours it): what the pipeline writes
   through fsspec, Ray reads from the same place.
@@ -14,7 +15,10 @@ Node-local disk is only ever a cache: remote model folders are fetched once per 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -43,16 +47,51 @@ def local_path(url: str) -> str | None:
 
 
 def commit_bytes(url: str, data: bytes) -> None:
-    """Write a whole file; a reader (or a rerun) never sees half of it."""
+    """Write a whole file; a reader (or a rerun) never sees half of it, whatever happens meanwhile.
+
+    Local: the bytes go to a temporary file beside the destination (`<name>.tmp-<random>`, which no reader of
+    the destination's name lists), are fsynced, then renamed over the destination (atomic on POSIX) and the
+    folder is fsynced, so a crash or power loss leaves the old file or the new one. Any failure (a full disk, an
+    interrupt) removes the temporary file and leaves the destination as it was. Object store: one PUT, which
+    appears whole or not at all."""
     fs, path = url_to_fs(url)
     if is_remote(url):
         fs.pipe_file(path, data)  # one PUT: atomic on object stores
         return
-    fs.makedirs(os.path.dirname(path), exist_ok=True)
+    path = local_path(url)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: no temporary file stays behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_folder(folder)
+
+
+def commit_json(url: str, data, **dump_args) -> None:
+    """`data` as JSON (indent 1 unless told), written whole by `commit_bytes`."""
+    commit_bytes(url, json.dumps(data, **{"indent": 1, **dump_args}).encode())
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename in `folder` durable (where the platform lets a folder be opened for it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def exists(url: str) -> bool:
@@ -66,15 +105,36 @@ def read_bytes(url: str) -> bytes:
 
 
 def upload_folder(folder: Path, url: str) -> None:
-    """Copy a local folder to `url` (replacing what is there), file by file: no reliance on a folder rename."""
+    """Copy a local folder to `url`, replacing what is there, without ever deleting the old copy before the new
+    one is complete: every file is uploaded to a temporary sibling `<url>.tmp-<random>` first (a failure there
+    removes it and leaves `url` as it was), then swapped in. A local destination is swapped by two renames; an
+    object store has no rename, so each new file is copied over its old key server-side (one atomic PUT each)
+    and only then are the keys the new folder lacks removed."""
     fs, root = url_to_fs(url)
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-    for path in sorted(Path(folder).rglob("*")):
-        if path.is_file():
-            dest = f"{root}/{path.relative_to(folder).as_posix()}"
+    root = root.rstrip("/")
+    staging = f"{root}.tmp-{uuid.uuid4().hex[:8]}"
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    try:
+        for path in files:
+            dest = f"{staging}/{path.relative_to(folder).as_posix()}"
             fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
             fs.put_file(str(path), dest)
+        if not is_remote(url):
+            old = f"{root}.old-{uuid.uuid4().hex[:8]}"
+            if os.path.exists(root):
+                os.rename(root, old)
+            os.rename(staging, root)
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        names = {path.relative_to(folder).as_posix() for path in files}
+        for name in sorted(names):
+            fs.copy(f"{staging}/{name}", f"{root}/{name}")
+        stale = [p for p in (fs.find(root) if fs.exists(root) else []) if p[len(root) + 1:] not in names]
+        if stale:
+            fs.rm(stale)
+    finally:
+        if fs.exists(staging):
+            fs.rm(staging, recursive=True)
 
 
 def arrow_filesystem(url: str):

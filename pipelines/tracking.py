@@ -85,16 +85,54 @@ def start_run(experiment: str, run_name: str | None = None, run_id: str | None =
         yield run
 
 
-def register_artifact(run_id: str, artifact_path: str, name: str, alias: str | None = None) -> int:
-    """Register a run's artifact folder as a new version of model `name`; point `alias` at it. Returns the version."""
+DRAFT_DIGEST_TAG = "eagle3.draft_sha256"  # a registered version's draft folder, by content (`folder_digest`)
+
+
+def folder_digest(folder) -> str:
+    """SHA-256 over a folder's files (relative names and contents): a draft folder's identity in the registry."""
+    import hashlib
+
+    root = Path(folder)
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(8 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def registered_version(name: str, run_id: str, digest: str):
+    """The lowest version of `name` that run `run_id` registered with draft digest `digest`, or None (also when
+    `name` is not registered yet)."""
+    client = configure().tracking.MlflowClient()
+    found = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}' and "
+                                         f"tags.`{DRAFT_DIGEST_TAG}` = '{digest}'")
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
+def register_artifact(run_id: str, artifact_path: str, name: str, alias: str | None = None,
+                      digest: str | None = None) -> int:
+    """Register a run's artifact folder as a new version of model `name`; point `alias` at it. Returns the version.
+
+    With `digest` (`folder_digest` of the folder logged there) registration is idempotent: a version this run
+    already registered with that digest (a retry after the server answered the first attempt's create too late,
+    or failed after it) is returned instead of registering the draft twice; the digest is a tag that the create
+    itself sets, so no version exists without it."""
     mlflow = configure()
     client = mlflow.tracking.MlflowClient()
     try:
         client.create_registered_model(name)
     except mlflow.exceptions.MlflowException:
         pass  # it exists already (or was created concurrently)
-    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-    version = client.create_model_version(name, source=source, run_id=run_id)
+    existing = registered_version(name, run_id, digest) if digest else None
+    if existing is not None:
+        version = existing
+    else:
+        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+        version = client.create_model_version(name, source=source, run_id=run_id,
+                                              tags={DRAFT_DIGEST_TAG: digest} if digest else None)
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return int(version.version)

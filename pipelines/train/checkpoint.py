@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from pipelines.storage import commit_json
+
 
 def save_checkpoint(draft, optimizer, scheduler, state: dict, folder: Path) -> None:
     from eagle_core.checkpoint import save_draft
@@ -22,7 +24,7 @@ def save_checkpoint(draft, optimizer, scheduler, state: dict, folder: Path) -> N
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                folder / "trainer_state.pt")
-    (folder / "state.json").write_text(json.dumps(state, indent=1))
+    commit_json(str(folder / "state.json"), state)
 
 
 def load_draft_weights(draft, folder: Path) -> None:

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import fsspec
-
 from pipelines.cluster import alive_nodes
-from pipelines.storage import arrow_filesystem, join, local_path, pin_registry_uri, upload_folder, url_to_fs
+from pipelines.storage import (arrow_filesystem, commit_json, join, local_path, pin_registry_uri, upload_folder,
+                               url_to_fs)
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.faults import fault_step_from_env
 from pipelines.train.lineage import Lineage
@@ -153,10 +151,8 @@ def _previous_run(config: TrainJobConfig) -> dict | None:
 
 
 def _write_run_state(config: TrainJobConfig, info: dict) -> None:
-    fs, path = url_to_fs(_run_state_file(config))
-    fs.makedirs(os.path.dirname(path), exist_ok=True)
-    with fs.open(path, "wt") as f:
-        json.dump(info, f, indent=1)
+    """Written whole (`commit_json`): a crash or a full disk leaves the previous state, which --resume reads."""
+    commit_json(_run_state_file(config), info)
 
 
 def storage_path(config: TrainJobConfig) -> str:
@@ -251,8 +247,8 @@ def run_train(config: TrainJobConfig) -> dict:
     summary.update(seconds=time.perf_counter() - started, total_steps=plan.total_steps, train_rows=plan.train_rows,
                    eval_rows=plan.eval_rows, mlflow_run_id=run_id, lineage=lineage.to_json(), world_size=world,
                    fingerprint=fingerprint)
-    with fsspec.open(join(config.output, "summary.json"), "wt") as f:
-        json.dump(summary, f, indent=1, default=str)
+    # written whole: retraining reuses a scale whose summary.json exists, so it must never be half a file
+    commit_json(join(config.output, "summary.json"), summary, default=str)
     return summary
 
 
@@ -264,17 +260,14 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
 
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint: {result.error}")
-    local = local_path(config.output)
     with tempfile.TemporaryDirectory() as staging, result.checkpoint.as_directory() as ckpt:
-        root = Path(local) if local is not None else Path(staging)
-        draft_dir, spec_dir = root / "draft", root / "draft-speculators"
+        draft_dir, spec_dir = Path(staging) / "draft", Path(staging) / "draft-speculators"
         state = json.loads((Path(ckpt) / "state.json").read_text())
         export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target)
-        if local is None:
-            for folder in (draft_dir, spec_dir):
-                upload_folder(folder, join(config.output, folder.name))
-        draft_url, spec_url = ((str(draft_dir), str(spec_dir)) if local is not None else
-                               (join(config.output, "draft"), join(config.output, "draft-speculators")))
+        # exported beside, then swapped in whole: a crash never leaves the output without a whole draft
+        for folder in (draft_dir, spec_dir):
+            upload_folder(folder, join(config.output, folder.name))
+        draft_url, spec_url = join(config.output, "draft"), join(config.output, "draft-speculators")
         summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
                    "checkpoint": _checkpoint_url(config, result.checkpoint.path), "draft": draft_url, "draft_speculators": spec_url,
                    "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
@@ -301,8 +294,9 @@ def _log_and_register(config: TrainJobConfig, run_id: str, draft_dir: Path, spec
             for path in write_plots(mlflow.tracking.MlflowClient(), run_id, config.ttt_steps, Path(tmp)):
                 mlflow.log_artifact(str(path), "plots")
         mlflow.log_metric("final_step", step)
-        if config.registered_model_name:
-            version = tracking.register_artifact(run_id, "draft", config.registered_model_name, CANDIDATE_ALIAS)
+        if config.registered_model_name:  # a retry finds the version a failed attempt registered (by digest)
+            version = tracking.register_artifact(run_id, "draft", config.registered_model_name, CANDIDATE_ALIAS,
+                                                 digest=tracking.folder_digest(draft_dir))
             return {"registered_model": config.registered_model_name, "model_version": version}
     return {}
 
