@@ -5,16 +5,22 @@
                                        # speed + peak memory: our TTT vs SpecForge's own TTT training step
   python -m bench.ttt --lm-head-init   # which lm_head init trains better on real SmolLM2 features
 
-Speed: one training step (forward, loss = sum_k 0.8**k * step loss k, backward, AdamW) of the SmolLM2-sized draft
-(H=576, 9 heads, 3 kv heads, the draft vocab and TTT steps of the SmolLM2 recipe, batch 1) at each sequence length
-and dtype, in a fresh subprocess per (implementation, length, dtype) so that the peak memory of one run is not hidden
+  python -m bench.ttt --shape llama3.1-8b --impls ours specforge specforge-flex --lengths 2048 4096 8192 16384 \
+      --dtypes bfloat16 --device cuda --iters 3 --timeout 100 --reference /tmp/specforge
+                                       # the GPU comparison of issue 40 (one H200); add --profile 15 for kernels
+
+Speed: one training step (forward, loss = sum_k 0.8**k * step loss k, backward, AdamW) of the draft of `--shape`
+(`SHAPES`: a target's published hidden size, heads, kv heads, intermediate size and vocabulary, with its recipe's
+draft vocab and TTT steps; default the SmolLM2 one, `tiny` for a CPU test; random weights, batch 1) at each
+sequence length and dtype, in a fresh subprocess per (implementation, length, dtype) so that the peak memory of one run is not hidden
 by another's. Peak memory is the process's peak RSS minus its RSS just before the first step on CPU, and torch's peak
 allocation on CUDA. Results: bench/results/ttt.json and its table ttt.md (`--out` elsewhere); every finished run is
 written at once, and a run that fails (out of memory under `--mem-limit-gib`, past `--timeout`) is recorded as such.
 
 Implementations: "ours" = `eagle_core.ttt.ttt_forward`; "naive" = `ttt_forward_naive` (the full (K*L)^2 mask);
 "specforge" = SpecForge's own `OnlineEagle3Model` (specforge/algorithms/eagle3/model.py) with its draft
-`LlamaForCausalLMEagle3` (specforge/modeling/draft/llama3_eagle.py), attention backend "sdpa", TTT length = our
+`LlamaForCausalLMEagle3` (specforge/modeling/draft/llama3_eagle.py), attention backend "sdpa" ("specforge-flex":
+its "flex_attention" backend, which needs CUDA: torch has no FlexAttention backward on a CPU), TTT length = our
 ttt_steps, its compact teacher (the teacher computed from the target's last hidden state inside the step, as ours
 does). It is imported at run time from the checkout given by `--reference DIR` (or $SPECFORGE_DIR); no SpecForge code
 is kept in this repository. A checkout from a git mirror without a work tree:
@@ -23,8 +29,10 @@ is kept in this repository. A checkout from a git mirror without a work tree:
 
 (such an export is no git checkout: pass `--reference-commit <commit>` to have the commit recorded). On a CPU, what
 cannot run there is substituted, and the result file lists it (`SPECFORGE_SUBSTITUTIONS`): SpecForge's package
-`__init__` files are replaced by empty packages (they import GPU-only algorithms), and its Triton loss kernel
-`specforge.core.loss.LogSoftmaxLoss` by `EagerLogSoftmaxLoss` below, the same function in eager PyTorch.
+`__init__` files are replaced by empty packages (they import GPU-only algorithms), and, where Triton or CUDA is
+missing, its Triton loss kernel `specforge.core.loss.LogSoftmaxLoss` by `EagerLogSoftmaxLoss` below, the same
+function in eager PyTorch (the result's `specforge.loss` says which ran).
+`--profile N`: one more step under torch.profiler after the timed ones; its top N ops go into the result.
 
 Both sides get the same weights (our draft's state_dict loaded into SpecForge's draft), the same random batch, a
 draft vocabulary that holds every target argmax of the batch (SpecForge drops positions whose target is outside the
@@ -40,6 +48,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -49,6 +58,7 @@ import sys
 import time
 import types
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,11 +67,15 @@ import torch.nn.functional as F
 from bench.common import (RESULTS, ROOT, add_draft_training_args, command, machine, smollm2_recipe, write_json,
                           write_markdown)
 from eagle_core.draft import DraftConfig, Eagle3Draft
-from eagle_core.target import cpu_has_native_bf16, default_device, materialize_hf_folder
+from eagle_core.target import cpu_has_native_bf16, default_device
 from eagle_core.ttt import TrainConfig, make_optimizer, shift_tokens, ttt_forward, ttt_forward_naive
 
 TTT_FORWARDS = {"ours": ttt_forward, "naive": ttt_forward_naive}
-IMPLS = (*TTT_FORWARDS, "specforge")
+# SpecForge's step with each of its attention backends that runs on one device without flash-attn: "specforge" =
+# "sdpa" (materialised [heads, L, L] scores, what its docs use), "specforge-flex" = "flex_attention" (a block mask,
+# torch's compiled flex kernel past 128 tokens)
+SPECFORGE_BACKENDS = {"specforge": "sdpa", "specforge-flex": "flex_attention"}
+IMPLS = (*TTT_FORWARDS, *SPECFORGE_BACKENDS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STEP_DECAY = 0.8  # loss = sum_k 0.8**k * loss_k: ours (TrainConfig.step_decay) and SpecForge's training strategy
 PREWARM_TOKENS = 32  # an untimed forward+backward at this length before the memory baseline (compiles SpecForge's
@@ -72,11 +86,84 @@ SPECFORGE_SUBSTITUTIONS = [
     "package __init__ files of " + ", ".join(SPECFORGE_PACKAGES) + " not run: empty package modules with __path__ "
     "into the checkout stand in for them (they import every algorithm and draft, some GPU-only); "
     "specforge.modeling.draft gets the one name model.py imports from it, Eagle3DraftModel (from its base.py)",
-    "specforge.core.loss (imports triton; LogSoftmaxLoss is a Triton kernel) replaced by a module whose LogSoftmaxLoss "
+    "specforge.core.loss (imports triton; LogSoftmaxLoss is a Triton kernel) replaced, where Triton or CUDA is missing, by a module whose LogSoftmaxLoss "
     "is bench.ttt.EagerLogSoftmaxLoss: per row -sum(target * log_softmax(logits.float())), 0 where position_mask is "
     "0, mean over all B*T rows; it saves what the kernel saves (logits, target, mask and one log-sum-exp per row), "
     "works in blocks of rows, and its backward writes the gradient into the saved logits in place, as the kernel does",
 ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the drafts measured (`--shape`)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The target a draft is built for: its published shapes (a transformers LlamaConfig's keyword arguments: the
+    draft layer is a Llama layer for every target), where they come from, and the recipe that gives the draft
+    vocabulary and TTT steps (or both given here, for a shape without a recipe)."""
+    source: str
+    target: dict
+    recipe: str | None = None
+    draft_vocab_size: int | None = None
+    ttt_steps: int | None = None
+
+
+SHAPES = {
+    "smollm2": Shape(
+        "HuggingFaceTB/SmolLM2-135M-Instruct config.json (the embedded target smollm2-135m)",
+        dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+             vocab_size=49152, num_hidden_layers=30, rms_norm_eps=1e-5, rope_theta=100000.0,
+             max_position_embeddings=8192),
+        recipe="smollm2-135m-instruct"),
+    "llama3.1-8b": Shape(
+        "meta-llama/Llama-3.1-8B-Instruct config.json",
+        dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+             vocab_size=128256, num_hidden_layers=32, rms_norm_eps=1e-5, rope_theta=500000.0,
+             max_position_embeddings=131072,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}),
+        recipe="llama3.1-8b-instruct"),
+    "qwen3-8b": Shape(
+        "Qwen/Qwen3-8B config.json",
+        dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+             vocab_size=151936, num_hidden_layers=36, rms_norm_eps=1e-6, rope_theta=1000000.0,
+             max_position_embeddings=40960),
+        recipe="qwen3-8b"),
+    # A shape a CPU runs in seconds (the test suite's): no published model; 7 TTT steps as every recipe.
+    "tiny": Shape("bench.ttt's own tiny shape (no published model)",
+                  dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                       vocab_size=512, num_hidden_layers=6, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=4096),
+                  draft_vocab_size=256, ttt_steps=7),
+}
+
+
+def target_config(shape: str):
+    """A transformers LlamaConfig of `shape`'s target (random weights are built from it; no model files)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SHAPES[shape].target, tie_word_embeddings=False)
+
+
+def shape_settings(shape: str) -> dict:
+    """draft_vocab_size, ttt_steps and lr of `shape`: its recipe's (eagle_core/recipes/), else the table's."""
+    s = SHAPES[shape]
+    if s.recipe is None:
+        return {"draft_vocab_size": s.draft_vocab_size, "ttt_steps": s.ttt_steps, "lr": TrainConfig.lr}
+    from eagle_core.recipe import load_recipe
+
+    r = load_recipe(s.recipe)
+    return {"draft_vocab_size": r.draft_vocab_size, "ttt_steps": r.ttt_steps, "lr": r.lr}
+
+
+def describe_shape(shape: str) -> str:
+    """The draft `shape` builds, in words: what a result's header says ran."""
+    s, t, settings = SHAPES[shape], SHAPES[shape].target, shape_settings(shape)
+    return (f"the {shape} draft (hidden {t['hidden_size']}, {t['num_attention_heads']} heads, "
+            f"{t['num_key_value_heads']} kv heads, head dim {t['head_dim']}, intermediate {t['intermediate_size']}, "
+            f"target vocab {t['vocab_size']}, from {s.source}), draft vocab {settings['draft_vocab_size']} and "
+            f"ttt_steps {settings['ttt_steps']} (" + (f"recipe {s.recipe}" if s.recipe else "bench.ttt's table") + ")")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,9 +214,23 @@ class EagerLogSoftmaxLoss(torch.autograd.Function):
         return flat.view(B, T, V), None, None
 
 
-def import_specforge(root) -> tuple[type, type, list[str]]:
+def triton_loss_runs(device: str) -> bool:
+    """Whether SpecForge's own Triton loss kernel can run for `device`: a CUDA device and an importable triton."""
+    return str(device).startswith("cuda") and importlib.util.find_spec("triton") is not None
+
+
+def specforge_loss_note(device: str) -> str:
+    """Which SpecForge loss runs for `device`, in words (recorded in every result)."""
+    if triton_loss_runs(device):
+        return "SpecForge's own Triton kernel (specforge.core.loss.LogSoftmaxLoss)"
+    return ("bench.ttt.EagerLogSoftmaxLoss, the eager stand-in for SpecForge's Triton kernel (no "
+            + ("triton" if str(device).startswith("cuda") else "CUDA") + " here)")
+
+
+def import_specforge(root, device: str = "cpu") -> tuple[type, type, list[str]]:
     """(OnlineEagle3Model, LlamaForCausalLMEagle3, notes) from the SpecForge checkout `root`, without running its
-    package __init__ files and with the Triton loss replaced (`SPECFORGE_SUBSTITUTIONS`). notes: import warnings."""
+    package __init__ files, with its Triton loss where `triton_loss_runs(device)` and the eager stand-in elsewhere
+    (`SPECFORGE_SUBSTITUTIONS`). notes: import warnings."""
     root = Path(root).resolve()
     if not (root / "specforge/algorithms/eagle3/model.py").is_file():
         raise FileNotFoundError(f"{root} is not a SpecForge checkout (no specforge/algorithms/eagle3/model.py)")
@@ -146,9 +247,12 @@ def import_specforge(root) -> tuple[type, type, list[str]]:
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, package)
-    loss = types.ModuleType("specforge.core.loss", "bench.ttt's eager stand-in for SpecForge's Triton loss kernel")
-    loss.LogSoftmaxLoss = EagerLogSoftmaxLoss
-    sys.modules["specforge.core.loss"] = sys.modules["specforge.core"].loss = loss
+    if triton_loss_runs(device):
+        importlib.import_module("specforge.core.loss")  # the real module: torch and triton only
+    else:
+        loss = types.ModuleType("specforge.core.loss", "bench.ttt's eager stand-in for SpecForge's Triton loss kernel")
+        loss.LogSoftmaxLoss = EagerLogSoftmaxLoss
+        sys.modules["specforge.core.loss"] = sys.modules["specforge.core"].loss = loss
     base = importlib.import_module("specforge.modeling.draft.base")
     sys.modules["specforge.modeling.draft"].Eagle3DraftModel = base.Eagle3DraftModel
     with warnings.catch_warnings(record=True) as caught:
@@ -223,12 +327,6 @@ def specforge_inputs(batch: dict) -> dict:
 # speed and memory of one training step
 
 
-def smollm2_config():
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(materialize_hf_folder("smollm2-135m"))
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -262,26 +360,28 @@ def covering_vocab(batch: dict, draft_vocab_size: int) -> tuple[torch.Tensor, to
     return d2t.to(w.device), t2d.to(w.device), bool(t2d[argmax.cpu()].all())
 
 
-def build_draft(length: int, device: str, seed: int = 1):
-    """(our draft, its DraftConfig, target config, batch at `length`, vocab covers every target): SmolLM2 shapes."""
+def build_draft(length: int, device: str, seed: int = 1, shape: str = "smollm2"):
+    """(our draft, its DraftConfig, target config, batch at `length`, vocab covers every target) of `shape`."""
     torch.manual_seed(0)
-    tc = smollm2_config()
-    recipe = smollm2_recipe()
-    cfg = DraftConfig.from_target(tc, draft_vocab_size=recipe.draft_vocab_size, ttt_steps=recipe.ttt_steps)
-    draft = Eagle3Draft(cfg).to(device).train()
+    tc = target_config(shape)
+    settings = shape_settings(shape)
+    cfg = DraftConfig.from_target(tc, draft_vocab_size=settings["draft_vocab_size"], ttt_steps=settings["ttt_steps"])
+    with torch.device(device):  # built where it runs: an 8B-shaped draft initialised on a CPU takes seconds
+        draft = Eagle3Draft(cfg).train()
     batch = random_batch(tc, length, device, seed)
     d2t, t2d, covers = covering_vocab(batch, cfg.draft_vocab_size)
     draft.set_vocab(d2t, t2d)
     return draft, cfg, tc, batch, covers
 
 
-def build_specforge(draft: Eagle3Draft, cfg: DraftConfig, reference, device: str):
+def build_specforge(draft: Eagle3Draft, cfg: DraftConfig, reference, device: str, backend: str = "sdpa"):
     """(OnlineEagle3Model around SpecForge's draft holding our draft's weights, that draft, weight report, notes)."""
-    OnlineEagle3Model, LlamaForCausalLMEagle3, notes = import_specforge(reference)
-    sf_draft = LlamaForCausalLMEagle3(specforge_config(cfg), attention_backend="sdpa")
+    OnlineEagle3Model, LlamaForCausalLMEagle3, notes = import_specforge(reference, device)
+    with torch.device(device):
+        sf_draft = LlamaForCausalLMEagle3(specforge_config(cfg), attention_backend=backend)
     report = copy_weights(draft, sf_draft)
     sf_draft.to(device).train()
-    model = OnlineEagle3Model(sf_draft, length=cfg.ttt_steps, attention_backend="sdpa")
+    model = OnlineEagle3Model(sf_draft, length=cfg.ttt_steps, attention_backend=backend)
     return model, sf_draft, report, notes
 
 
@@ -331,16 +431,18 @@ def _limit_memory(device: str, mem_limit_gib: float):
 
 
 def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_limit_gib: float,
-            dtype: str = "float32", reference=None) -> dict:
-    """Time `iters` training steps (after `warmup` untimed ones) of `impl` at `length`; runs inside the child."""
+            dtype: str = "float32", reference=None, shape: str = "smollm2", profile: int = 0) -> dict:
+    """Time `iters` training steps (after `warmup` untimed ones) of `impl` at `length`; runs inside the child.
+    `profile` > 0: one more step under torch.profiler, its top `profile` ops in the result (`profile_step`)."""
     _limit_memory(device, mem_limit_gib)
-    draft, cfg, tc, batch, covers = build_draft(length, device)
+    draft, cfg, tc, batch, covers = build_draft(length, device, shape=shape)
     small = random_batch(tc, PREWARM_TOKENS, device, seed=2)
     extra = {}
-    if impl == "specforge":
-        model, params_of, report, notes = build_specforge(draft, cfg, reference, device)
+    if impl in SPECFORGE_BACKENDS:
+        model, params_of, report, notes = build_specforge(draft, cfg, reference, device, SPECFORGE_BACKENDS[impl])
         extra = {"weights_not_mapped": report["ours_not_mapped"] + report["specforge_not_loaded"],
-                 "import_notes": notes}
+                 "import_notes": notes, "specforge_attention_backend": SPECFORGE_BACKENDS[impl],
+                 "specforge_loss": specforge_loss_note(device)}
         del draft
         inputs, small_inputs = specforge_inputs(batch), specforge_inputs(small)
 
@@ -354,7 +456,7 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
 
         def forward(b):
             return fn(draft, **b).loss
-    opt = make_optimizer(params_of, TrainConfig(lr=smollm2_recipe().lr))
+    opt = make_optimizer(params_of, TrainConfig(lr=shape_settings(shape)["lr"]))
 
     def step():
         with autocast_for(dtype, device):
@@ -378,8 +480,11 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
         step()
     times, cpu_times = time_steps(step, iters, device)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_mem = (torch.cuda.max_memory_allocated() - base_cuda) if device == "cuda" else peak_rss - base_rss
+    if profile:
+        extra["profile_step"] = profile_step(step, device, profile)
     return {
-        "impl": impl, "seq_len": length, "dtype": dtype, "ttt_steps": cfg.ttt_steps,
+        "impl": impl, "seq_len": length, "dtype": dtype, "shape": shape, "ttt_steps": cfg.ttt_steps,
         "draft_vocab_size": cfg.draft_vocab_size, "vocab_covers_every_target": covers,
         "iters": iters, "warmup": warmup, "prewarm_tokens": PREWARM_TOKENS,
         "load_avg_1min_before": load_before, "load_avg_1min_after": os.getloadavg()[0],
@@ -387,13 +492,32 @@ def run_one(impl: str, length: int, iters: int, warmup: int, device: str, mem_li
         "step_cpu_seconds": min(cpu_times), "threads": torch.get_num_threads(),
         "tokens_per_s": length / min(times),
         "tokens_per_cpu_s": length / min(cpu_times),
-        "peak_mem_bytes": (torch.cuda.max_memory_allocated() - base_cuda) if device == "cuda"
-        else peak_rss - base_rss,
+        "peak_mem_bytes": peak_mem,
         "peak_rss_bytes": peak_rss,
         # torch.compile'd graphs (SpecForge's helpers): a count that grows in the timed steps means compile time in them
         "compiled_graphs_after_prewarm": graphs_prewarm, "compiled_graphs_after_steps": _compiled_graphs(),
         **extra,
     }
+
+
+def profile_step(step, device: str, top: int) -> dict:
+    """One `step` under torch.profiler: its `top` ops by self time on the device (CUDA kernels and the ops that
+    launch them) or on the CPU, with calls and milliseconds. Run after the timed steps: profiling slows a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in events)  # microseconds; self times do not overlap
+    rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+    return {"sorted_by": key, "total_self_ms": total / 1e3,
+            "top": [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3,
+                     "share": getattr(e, key) / total if total else 0.0} for e in rows]}
 
 
 def _compiled_graphs() -> int:
@@ -408,11 +532,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
 
 
-def harness_check(reference, length: int, device: str, tolerance: float = 1e-3) -> dict:
+def harness_check(reference, length: int, device: str, tolerance: float = 1e-3, shape: str = "smollm2") -> dict:
     """Ours and SpecForge's step on the same weights and inputs, float32, not timed: per-step losses (SpecForge's
     mean over B*T rows rescaled to a mean over the counted rows, as ours), accuracies, logits of every step, and
     the gradient of every trainable weight for ours' loss (SpecForge's plosses reweighted to ours' normalisation)."""
-    draft, cfg, tc, batch, covers = build_draft(length, device)
+    draft, cfg, tc, batch, covers = build_draft(length, device, shape=shape)
     model, sf_draft, report, notes = build_specforge(draft, cfg, reference, device)
     ours = ttt_forward(draft, **batch, return_logits=True)
     ours.loss.backward()
@@ -442,7 +566,7 @@ def harness_check(reference, length: int, device: str, tolerance: float = 1e-3) 
         "what": f"float32, {length} tokens, batch 1, same weights and inputs, not timed; relative differences: "
                 "|specforge - ours| / |ours| per step loss, ||specforge - ours|| / ||ours|| for each step's logits "
                 "[B, L, draft vocab] and each trainable weight's gradient of ours' loss",
-        "seq_len": length, "tolerance": tolerance, "ok": worst < tolerance, "max_relative_difference": worst,
+        "seq_len": length, "shape": shape, "specforge_loss": specforge_loss_note(device), "tolerance": tolerance, "ok": worst < tolerance, "max_relative_difference": worst,
         "vocab_covers_every_target": covers,
         "ours_step_losses": ours.step_losses.tolist(), "specforge_step_losses_rescaled": sf_means.tolist(),
         "specforge_plosses_as_returned": [float(p.detach()) for p in plosses],
@@ -484,21 +608,25 @@ def _run(cmd: list[str], what: dict, timeout: float, mem_limit_gib: float) -> di
 def run_child(impl: str, length: int, args, dtype: str = "float32") -> dict:
     cmd = [sys.executable, "-m", "bench.ttt", "--child", impl, str(length), "--dtype", dtype, "--iters",
            str(args.iters), "--device", args.device, "--warmup", str(args.warmup), "--mem-limit-gib",
-           str(args.mem_limit_gib)]
-    if impl == "specforge":
+           str(args.mem_limit_gib), "--shape", args.shape, "--profile", str(args.profile)]
+    if impl in SPECFORGE_BACKENDS:
         cmd += ["--reference", str(args.reference)]
     return _run(cmd, {"impl": impl, "seq_len": length, "dtype": dtype}, args.timeout, args.mem_limit_gib)
 
 
 def run_check(args) -> dict:
     cmd = [sys.executable, "-m", "bench.ttt", "--check-child", str(args.check_length), "--device", args.device,
-           "--reference", str(args.reference), "--mem-limit-gib", str(args.mem_limit_gib)]
+           "--reference", str(args.reference), "--mem-limit-gib", str(args.mem_limit_gib), "--shape", args.shape]
     return _run(cmd, {"impl": "specforge", "seq_len": args.check_length, "dtype": "float32"}, args.timeout,
                 args.mem_limit_gib)
 
 
+def _key(impl: str) -> str:
+    return impl.replace("-", "_")  # "specforge-flex" -> summary keys "specforge_flex_..."
+
+
 def _own_numbers(row: dict) -> dict:
-    impl = row["impl"]
+    impl = _key(row["impl"])
     if "error" in row:
         return {f"{impl}_error": row["error"]}
     return {f"{impl}_tokens_per_s": row["tokens_per_s"], f"{impl}_tokens_per_cpu_s": row["tokens_per_cpu_s"],
@@ -509,7 +637,7 @@ def _versus(ours: dict | None, other: dict | None) -> dict:
     """Ours against `other` (speedups > 1 = ours faster; memory ratio < 1 = ours smaller), or why not."""
     if ours is None or other is None:
         return {}
-    name = other["impl"]
+    name = _key(other["impl"])
     failed = [f"{r['impl']} failed" for r in (ours, other) if "error" in r]
     if failed:
         return {f"vs_{name}_note": " and ".join(failed) + "; see runs"}
@@ -533,7 +661,7 @@ def speed_ratios(rows: list[dict]) -> list[dict]:
         for impl in IMPLS:
             if impl in runs:
                 entry.update(_own_numbers(runs[impl]))
-        for other in ("naive", "specforge"):
+        for other in ("naive", *SPECFORGE_BACKENDS):
             entry.update(_versus(runs.get("ours"), runs.get(other)))
         summary.append(entry)
     return summary
@@ -550,9 +678,10 @@ def markdown(result: dict) -> str:
              f"{result['date']}; {result['machine']}; torch {result['torch']}; load average (1 min) at the end "
              f"{result['load_avg_1min_at_end']:.2f}", "", result["what"] + ".", ""]
     summary = result["summary"]
-    for other, title in (("specforge", "ours vs SpecForge"), ("naive", "ours vs naive")):
-        entries = [s for s in summary if any(k.startswith(f"{other}_") or k.startswith(f"vs_{other}")
-                                             for k in s)]
+    for other, title in (("specforge", "ours vs SpecForge (sdpa)"),
+                         ("specforge_flex", "ours vs SpecForge (flex_attention)"), ("naive", "ours vs naive")):
+        entries = [s for s in summary if any(k in s for k in (f"{other}_tokens_per_s", f"{other}_error",
+                                                              f"vs_{other}_note"))]
         if not entries:
             continue
         lines += [f"## {title}", "",
@@ -567,11 +696,24 @@ def markdown(result: dict) -> str:
                 f"{_fmt(g('ours_tokens_per_cpu_s'), '.2f')} | {_fmt(g(f'{other}_tokens_per_cpu_s'), '.2f')} | "
                 f"{_fmt(g(f'speedup_ours_over_{other}_cpu_time'), '.2f')} | {_fmt(g('ours_peak_mem_mib'), '.0f')} | "
                 f"{_fmt(g(f'{other}_peak_mem_mib'), '.0f')} | {_fmt(g(f'peak_mem_ratio_ours_over_{other}'), '.2f')} |")
-        notes = [f"- {s['seq_len']} {s['dtype']}: " + "; ".join(
-            f"{k}: {v}" for k, v in s.items() if k.endswith("_error") or k.endswith("_note")) for s in entries
-            if any(k.endswith("_error") or k.endswith("_note") for k in s)]
+        own = ("ours_error", f"{other}_error", f"vs_{other}_note")
+        notes = [f"- {s['seq_len']} {s['dtype']}: " + "; ".join(f"{k}: {s[k]}" for k in own if k in s)
+                 for s in entries if any(k in s for k in own)]
         lines += ["", "Speed-up = the other side's step time / ours (> 1: ours faster); memory = ours' peak / the "
                   "other's (< 1: ours smaller).", *([""] + notes if notes else []), ""]
+    profiled = [r for r in result.get("runs", []) if r.get("profile_step")]
+    if profiled:
+        lines += ["## Profile of one step", "",
+                  "torch.profiler over one more step after the timed ones (`--profile N`): the top ops by self time "
+                  "(on the device where it is CUDA, else on the CPU); share = of the step's summed self time.", ""]
+        for r in profiled:
+            prof = r["profile_step"]
+            lines += [f"### {r['impl']}, {r['seq_len']} tokens, {r['dtype']} ({prof['sorted_by']}, "
+                      f"{prof['total_self_ms']:.1f} ms in all)", "", "| op | calls | self ms | share |",
+                      "|---|---:|---:|---:|"]
+            lines += [f"| `{e['name'][:80]}` | {e['calls']} | {e['self_ms']:.2f} | {e['share']:.1%} |"
+                      for e in prof["top"]]
+            lines.append("")
     check = result.get("harness_check")
     if check:
         lines += ["## Harness check", ""]
@@ -591,6 +733,8 @@ def markdown(result: dict) -> str:
     if result.get("specforge"):
         sf = result["specforge"]
         lines += ["## SpecForge", "", f"Checkout {sf['reference']}, commit {sf['commit']}. {sf['how']}", "",
+                  f"Its loss here: {sf['loss']}.", *([f"Its flex_attention backend: {sf['flex_note']}.", ""]
+                                                    if sf.get("flex_note") else [""]),
                   "Substituted on this machine:", "", *[f"- {s}" for s in sf["substitutions"]], ""]
     lines += [f"Peak memory: {result['peak_memory']}. Note: {result['note']}.", ""]
     return "\n".join(lines)
@@ -601,17 +745,17 @@ def bench_speed(args, out_path):
     # later), if they measured the same draft shape.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what the children run with (`_child_env`), in `machine`
     previous = json.loads(Path(out_path).read_text()) if Path(out_path).is_file() else {}
-    recipe = smollm2_recipe()
-    shape = {"ttt_steps": recipe.ttt_steps, "draft_vocab_size": recipe.draft_vocab_size}
+    settings = shape_settings(args.shape)
+    same_draft = {"ttt_steps": settings["ttt_steps"], "draft_vocab_size": settings["draft_vocab_size"]}
     planned = {(n, i, d) for n in args.lengths for i in args.impls for d in args.dtypes}
     rows = [r for r in previous.get("runs", [])
             if (r["seq_len"], r["impl"], r.get("dtype", "float32")) not in planned
-            and all(r.get(k) == v for k, v in shape.items())]
+            and r.get("shape", "smollm2") == args.shape and all(r.get(k) == v for k, v in same_draft.items())]
     result = {
-        "what": "one TTT training step (forward, loss = sum_k 0.8**k * loss_k, backward, AdamW), SmolLM2-sized draft "
-                f"(H=576, 9 heads, 3 kv heads), draft vocab {shape['draft_vocab_size']}, target vocab 49152, "
-                f"ttt_steps {shape['ttt_steps']}, batch 1, random features; each (implementation, length, dtype) in "
-                "its own process",
+        "what": "one TTT training step (forward, loss = sum_k 0.8**k * loss_k, backward, AdamW) of "
+                f"{describe_shape(args.shape)}, batch 1, random features and weights; each (implementation, length, "
+                "dtype) in its own process",
+        "shape": {"name": args.shape, **SHAPES[args.shape].target, **settings, "source": SHAPES[args.shape].source},
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command("ttt", args.argv),
         "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": machine(torch.get_num_threads()), "cpu": platform.processor() or platform.machine(),
@@ -624,24 +768,30 @@ def bench_speed(args, out_path):
         "peak_memory": "CPU: peak RSS minus RSS before the first step (includes allocator slack and AdamW's state); "
                        "CUDA: torch.cuda.max_memory_allocated minus the allocation before the first step",
     }
-    if "specforge" in args.impls:
+    backends = [SPECFORGE_BACKENDS[i] for i in args.impls if i in SPECFORGE_BACKENDS]
+    if backends:
         result["specforge"] = {
             "reference": str(Path(args.reference).resolve()),
             "commit": specforge_commit(args.reference, args.reference_commit),
             "version": _read(Path(args.reference) / "version.txt"),
+            "attention_backends": backends,
+            "loss": specforge_loss_note(args.device),
             "how": "OnlineEagle3Model(LlamaForCausalLMEagle3(LlamaConfig of our draft's shapes, attention_backend="
-                   "'sdpa'), length=ttt_steps, attention_backend='sdpa') with our draft's weights, its compact teacher "
+                   "B), length=ttt_steps, attention_backend=B) for each backend B above, with our draft's weights, its compact teacher "
                    "(target_hidden_for_compact = the target's last hidden state shifted left by one, as its "
                    "TargetHead.preprocess does, target_head_weight = the target's lm_head), loss = sum_i 0.8**i * "
                    "plosses[i] (its Eagle3TrainStrategy); its torch.compile'd helpers (RMSNorm, rotary embedding) "
-                   "compiled by inductor on this CPU in the untimed pre-warm step (TORCHINDUCTOR_COMPILE_THREADS=1; "
+                   "compiled by inductor in the untimed pre-warm step (TORCHINDUCTOR_COMPILE_THREADS=1; "
                    "each run records its count of compiled graphs); torch.optim.AdamW with our settings over its "
                    "trainable weights (the embedding frozen, as ours); its loss mask = ours shifted left by two (it "
                    "masks column t of step k by loss_mask[t+k], ours by loss_mask[t+k+2]). SpecForge's own trainer "
                    "keeps bf16 weights with float32 master copies (specforge/optimizer.py BF16Optimizer); here both "
                    "sides keep float32 weights and autocast, so the comparison is like for like",
-            "substitutions": SPECFORGE_SUBSTITUTIONS,
+            "substitutions": SPECFORGE_SUBSTITUTIONS[:1] + ([] if triton_loss_runs(args.device)
+                                                            else SPECFORGE_SUBSTITUTIONS[1:]),
         }
+        if "flex_attention" in backends:
+            result["specforge"]["flex_note"] = flex_note(args.device)
         check = run_check(args)
         result["harness_check"] = check
         print(json.dumps({"harness_check": {k: check.get(k) for k in ("ok", "max_relative_difference", "error")}}),
@@ -665,6 +815,18 @@ def bench_speed(args, out_path):
                 write()  # every finished run is on disk, whatever happens to the next one
     write(final=True)
     return result
+
+
+def flex_note(device: str) -> str:
+    """Whether SpecForge's flex_attention backend can run here, in words: it needs torch's flex_attention, which
+    past 128 tokens SpecForge compiles (inductor: Triton on CUDA, its C++ template on a CPU)."""
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention: it cannot run here"
+    if str(device).startswith("cuda"):
+        return "torch.nn.attention.flex_attention imports; compiled to Triton past 128 tokens"
+    return (f"torch.nn.attention.flex_attention imports on this CPU, but torch {torch.__version__} has no "
+            "FlexAttention backward on a CPU (NotImplementedError), so SpecForge's training step cannot run with it "
+            "here; its runs are recorded with that error. It is measured where there is a CUDA device")
 
 
 def _read(path: Path) -> str | None:
@@ -779,6 +941,12 @@ def main(argv=None):
                    help="a SpecForge checkout for --impls specforge (default: $SPECFORGE_DIR)")
     p.add_argument("--reference-commit", default=None,
                    help="the checkout's commit, recorded where --reference is not a git checkout (an exported tree)")
+    p.add_argument("--shape", default="smollm2", choices=list(SHAPES),
+                   help="the target whose draft is measured: its published shapes (bench.ttt.SHAPES), its recipe's "
+                        "draft vocabulary and TTT steps; random weights, no model files ('tiny': seconds on a CPU)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed steps, profile one more (torch.profiler) and keep its top N ops in the "
+                        "result (0 = off)")
     p.add_argument("--check-length", type=int, default=64, help="tokens of the (untimed) SpecForge harness check")
     p.add_argument("--iters", type=int, default=1, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 on CUDA, 0 on CPU)")
@@ -807,17 +975,17 @@ def main(argv=None):
         args.mem_limit_gib = default_mem_limit_gib()
     if args.check_child:
         _limit_memory(args.device, args.mem_limit_gib)
-        print(json.dumps(harness_check(args.reference, args.check_child, args.device)))
+        print(json.dumps(harness_check(args.reference, args.check_child, args.device, shape=args.shape)))
         return
     if args.child:
         print(json.dumps(run_one(args.child[0], int(args.child[1]), args.iters, args.warmup, args.device,
-                                 args.mem_limit_gib, args.dtype, args.reference)))
+                                 args.mem_limit_gib, args.dtype, args.reference, args.shape, args.profile)))
         return
     if args.lm_head_init:
         bench_lm_head_init(args.steps, args.out or RESULTS / "lm_head_init.json", args.n_train,
                            args.n_eval, args.max_length, args.ttt_steps, args.draft_vocab_size, args.variants)
         return
-    if "specforge" in args.impls:
+    if any(i in SPECFORGE_BACKENDS for i in args.impls):
         if not args.reference:
             p.error("--impls specforge needs --reference DIR (a SpecForge checkout) or $SPECFORGE_DIR")
         if not (Path(args.reference) / "specforge/algorithms/eagle3/model.py").is_file():

@@ -20,7 +20,8 @@ SPECFORGE = os.environ.get("SPECFORGE_DIR")
 
 def args_for(tmp_path, **kw):
     base = dict(iters=1, warmup=0, device="cpu", mem_limit_gib=8.0, timeout=300.0, reference=None,
-                reference_commit=None, lengths=[16], impls=["ours"], dtypes=["float32"], check_length=32, argv=[])
+                reference_commit=None, lengths=[16], impls=["ours"], dtypes=["float32"], check_length=32, argv=[],
+                shape="smollm2", profile=0)
     return Namespace(**{**base, **kw})
 
 
@@ -173,3 +174,68 @@ def test_specforge_step_on_our_weights_matches_ours_and_runs_timed(tmp_path):
     assert max(check["grad_relative_difference"].values()) < 1e-4
     assert (run["impl"], run["dtype"], run["seq_len"]) == ("specforge", "bfloat16", 16)
     assert run["step_seconds"] > 0 and run["weights_not_mapped"] == []
+
+
+def test_the_smollm2_row_of_the_shape_table_is_the_embedded_target():
+    from transformers import AutoConfig
+
+    from eagle_core.target import materialize_hf_folder
+
+    embedded = AutoConfig.from_pretrained(materialize_hf_folder("smollm2-135m"))
+    table = ttt.target_config("smollm2")
+    for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "num_hidden_layers", "max_position_embeddings"):
+        assert getattr(table, name) == getattr(embedded, name), name
+    assert table.rope_parameters["rope_theta"] == embedded.rope_parameters["rope_theta"]
+    assert table.rms_norm_eps == pytest.approx(embedded.rms_norm_eps)
+
+
+@pytest.mark.parametrize("shape, hidden, intermediate, vocab, draft_vocab",
+                         [("llama3.1-8b", 4096, 14336, 128256, 32000), ("qwen3-8b", 4096, 12288, 151936, 32000),
+                          ("smollm2", 576, 1536, 49152, 8192)])
+def test_each_shape_builds_its_published_draft_with_its_recipes_vocabulary(shape, hidden, intermediate, vocab,
+                                                                             draft_vocab):
+    from eagle_core.draft import DraftConfig
+
+    settings = ttt.shape_settings(shape)
+    cfg = DraftConfig.from_target(ttt.target_config(shape), draft_vocab_size=settings["draft_vocab_size"],
+                                  ttt_steps=settings["ttt_steps"])
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.target_vocab_size, cfg.draft_vocab_size, cfg.ttt_steps) == (
+        hidden, intermediate, vocab, draft_vocab, 7)
+    words = ttt.describe_shape(shape)
+    assert f"hidden {hidden}," in words and f"target vocab {vocab}," in words and f"draft vocab {draft_vocab}" in words
+
+
+def test_the_tiny_shape_runs_end_to_end_with_its_profile_in_the_result(tmp_path):
+    out = tmp_path / "tiny.json"
+    ttt.main(["--shape", "tiny", "--lengths", "24", "--impls", "ours", "--dtypes", "float32", "--profile", "5",
+              "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["shape"]["name"] == "tiny" and result["shape"]["hidden_size"] == 64
+    assert result["what"].startswith("one TTT training step") and "the tiny draft (hidden 64," in result["what"]
+    [run] = result["runs"]
+    assert "error" not in run, run
+    assert (run["shape"], run["seq_len"], run["draft_vocab_size"]) == ("tiny", 24, 256)
+    prof = run["profile_step"]
+    assert prof["sorted_by"] == "self_cpu_time_total" and len(prof["top"]) == 5
+    assert prof["top"][0]["self_ms"] >= prof["top"][-1]["self_ms"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "## Profile of one step" in md and "the tiny draft" in md
+
+
+def test_which_specforge_loss_and_flex_backend_a_cpu_run_says_it_used():
+    assert not ttt.triton_loss_runs("cpu")
+    assert "eager stand-in" in ttt.specforge_loss_note("cpu")
+    assert "cannot run" in ttt.flex_note("cpu")
+    rows = [row("ours", 2048, seconds=10.0), row("specforge", 2048, seconds=20.0),
+            row("specforge-flex", 2048, error="NotImplementedError: FlexAttention does not support backward on CPU")]
+    [s] = ttt.speed_ratios(rows)
+    assert s["speedup_ours_over_specforge_wall"] == pytest.approx(2.0)
+    assert s["specforge_flex_error"].startswith("NotImplementedError")
+    assert s["vs_specforge_flex_note"] == "specforge-flex failed; see runs"
+    md = ttt.markdown({"device": "cpu", "command": "c", "date": "d", "machine": "m", "torch": "t",
+                       "load_avg_1min_at_end": 0.0, "what": "w", "summary": [s], "runs": rows, "peak_memory": "p",
+                       "note": "n"})
+    sdpa, flex = md.split("## ours vs SpecForge (flex_attention)")
+    assert "| 2048 | float32 |" in sdpa and "FlexAttention" not in sdpa
+    assert "FlexAttention does not support backward" in flex
