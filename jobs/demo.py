@@ -58,14 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def champion_step(args) -> None:
     from eagle_core.shipped import shipped_draft
-    from pipelines.retrain import CHAMPION, alias_version, register_draft_folder
+    from pipelines.retrain import CHAMPION, PromotionConflict, alias_version, register_draft_folder
 
     champion = alias_version(REGISTERED_MODEL, CHAMPION)
     if champion is not None:
         say(f"[demo] {REGISTERED_MODEL} already has a champion (version {champion.version}); keeping it")
         return
     folder = shipped_draft(args.target)
-    version = register_draft_folder(str(folder), REGISTERED_MODEL, CHAMPION, run_name="shipped-draft")
+    try:  # a compare-and-set: a champion set meanwhile by another process stays
+        version = register_draft_folder(str(folder), REGISTERED_MODEL, CHAMPION, run_name="shipped-draft",
+                                        expected_champion=None)
+    except PromotionConflict as conflict:
+        say(f"[demo] {conflict}; keeping that champion")
+        return
     say(f"[demo] registered the shipped draft {folder.name} as {REGISTERED_MODEL} version {version} @champion")
 
 

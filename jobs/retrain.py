@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-gpus", type=float, default=d.eval_gpus,
                    help="GPUs of the evaluation task (default: 1 when the cluster has GPUs)")
     p.add_argument("--margin", type=float, default=d.margin, help="tau gain over the champion needed for promotion")
+    p.add_argument("--lock-ttl-s", type=float, default=d.lock_ttl_s,
+                   help="the promotion lock lapses this long after its holder's last progress (must exceed the "
+                        "evaluation's longest silent phase, the target's load)")
+    p.add_argument("--lock-wait-s", type=float, default=d.lock_wait_s,
+                   help="how long to wait for another driver's promotion decision before giving up")
+    p.add_argument("--eval-timeout-s", type=float, default=d.eval_timeout_s,
+                   help="the champion's re-evaluation under the promotion lock is cancelled after this long "
+                        "(the decision then fails, nothing changed)")
     p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="initialise from the current champion when compatible (else from scratch)")
     p.add_argument("--warm-start-lr", type=float, default=d.warm_start_lr,

@@ -9,8 +9,10 @@ be taken on stale information:
 - `PromotionLease` is a lock on one registered model's aliases that needs nothing but the tracking server (no
   Kubernetes, no shared disk): holding it means having created the registered model `<name>.promotion-lock`,
   which the registry does atomically (a second create fails with RESOURCE_ALREADY_EXISTS on its unique name).
-  Its tags name the owner and an expiry that a heartbeat thread renews; a lock whose holder died expires and is
-  taken over.
+  Its tags name the owner and an expiry that a heartbeat renews only while the holder makes progress; a lock
+  whose holder died or stalls expires and is taken over, and only the version that was read is ever deleted.
+- Every move of `champion` (a promotion, a rollback, `set_champion` for a first or shipped draft) goes through
+  `_move_alias` under the lease, after re-reading the champion: no writer moves it past a newer one.
 - `decide_promotion` holds the lease for the whole decision: it re-reads the champion, re-evaluates against it
   when it moved since the run compared, then sets the alias, tagging the new champion with the one it replaced
   (`eagle3.previous_champion`) so that `rollback` can restore it.
@@ -98,20 +100,35 @@ def alias_version(name: str, alias: str):
 class PromotionLease:
     """Exclusive right to move `name`'s aliases, held as the registered model `<name>.promotion-lock`.
 
-    Acquire: create that model with tags {owner, expires}; the registry refuses a second create, so exactly one
-    process holds it. While held, a heartbeat renews `expires` every ttl/3. A lock whose `expires` passed (its
-    holder died) is deleted and created anew, after re-reading that the same stale owner still holds it. Release
-    deletes it if this process still owns it. `verify()` before acting re-reads the owner."""
+    Acquire: create that model with the tags `owner` (host:pid:token, `token` unique to this acquisition) and
+    `expires_<token>`; the registry refuses a second create, so exactly one process holds it.
+
+    The lease lives only while its holder makes progress: the holder calls `progress()` (the champion's
+    evaluation does, per prompt), and a heartbeat every ttl/3 moves the expiry to the last progress + ttl. A
+    holder that stalls (a hung evaluation) stops being renewed and loses the lock ttl after its last progress,
+    though its process lives on. Expiry is keyed by the token, so a stalled holder that wakes up after a
+    takeover writes a tag of its own version, never the new holder's expiry.
+
+    Deleting a lock (a takeover of an expired one, or a release) is conditional on the version read: the deleter
+    first creates the registered model `<name>.promotion-lock.taken-<token>` for the token it read (only one
+    process can), re-reads the lock, and deletes it only if it still carries that token; since every delete of
+    that version needs that same marker, the lock cannot change between the re-read and the delete. Two racing
+    takeovers thus delete the expired version once and never the lock that one of them has just taken. A marker
+    left by a process that died holding it expires after ttl and is removed. `verify()` before acting re-reads
+    the owner."""
 
     def __init__(self, name: str, ttl_s: float = 600.0, wait_s: float = 1800.0, poll_s: float = 1.0):
         self.model, self.lock = name, name + LOCK_SUFFIX
         self.ttl_s, self.wait_s, self.poll_s = ttl_s, wait_s, poll_s
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.token = uuid.uuid4().hex
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{self.token}"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._progressed = time.time()
 
-    def _tags(self) -> dict:
-        return {"owner": self.owner, "expires": f"{time.time() + self.ttl_s:.3f}"}
+    def progress(self) -> None:
+        """The holder did work: the next heartbeat extends the lease to ttl from now."""
+        self._progressed = time.time()
 
     def acquire(self) -> "PromotionLease":
         from mlflow.exceptions import MlflowException
@@ -119,8 +136,10 @@ class PromotionLease:
         c = client()
         deadline = time.monotonic() + self.wait_s
         while True:
+            self.progress()
             try:
-                c.create_registered_model(self.lock, tags=self._tags(),
+                c.create_registered_model(self.lock, tags={"owner": self.owner, _expires_key(self.token):
+                                                           f"{self._progressed + self.ttl_s:.3f}"},
                                           description=f"promotion lock of {self.model}; held by {self.owner}")
                 break
             except MlflowException as err:
@@ -128,7 +147,9 @@ class PromotionLease:
                     raise _unavailable(f"taking the promotion lock {self.lock!r}", err) from err
             holder = self._holder()
             if holder is not None and holder[1] < time.time():
-                self._break(holder[0])
+                log.warning("promotion lock %s held by %s expired; taking it over", self.lock, holder[0])
+                if not self._delete_if_held_by(holder[0]):
+                    time.sleep(self.poll_s)  # another process is removing it (or has): try again shortly
                 continue
             if time.monotonic() > deadline:
                 raise PromotionConflict(f"the promotion lock {self.lock!r} is held by "
@@ -143,38 +164,73 @@ class PromotionLease:
 
     def _holder(self) -> tuple[str, float] | None:
         """(owner, expires) of the lock, None when it is gone."""
+        tags = self._tags_of(self.lock)
+        if tags is None:
+            return None
+        owner = tags.get("owner", "?")
+        try:  # (a lock taken by an older version of this code has one plain `expires` tag)
+            expires = float(tags.get(_expires_key(_token_of(owner)), tags.get("expires", "0")))
+        except ValueError:
+            expires = 0.0
+        return owner, expires
+
+    def _tags_of(self, model: str) -> dict | None:
         from mlflow.exceptions import MlflowException
 
         try:
-            tags = client().get_registered_model(self.lock).tags or {}
+            return client().get_registered_model(model).tags or {}
         except MlflowException as err:
             if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
                 return None
-            raise _unavailable(f"reading the promotion lock {self.lock!r}", err) from err
-        try:
-            expires = float(tags.get("expires", "0"))
-        except ValueError:
-            expires = 0.0
-        return tags.get("owner", "?"), expires
+            raise _unavailable(f"reading {model!r}", err) from err
 
-    def _break(self, stale_owner: str) -> None:
-        """Delete an expired lock, unless its owner changed since we read it (someone else took it over)."""
+    def _delete_if_held_by(self, owner: str) -> bool:
+        """Delete the lock if (and only if) it is the version `owner` took; True when this call deleted it."""
         from mlflow.exceptions import MlflowException
 
-        holder = self._holder()
-        if holder is None or holder[0] != stale_owner or holder[1] >= time.time():
-            return
-        log.warning("promotion lock %s held by %s expired; taking it over", self.lock, stale_owner)
+        c = client()
+        marker = f"{self.lock}.taken-{_token_of(owner)}"
         try:
-            client().delete_registered_model(self.lock)
+            c.create_registered_model(marker, tags={"by": self.owner, "expires": f"{time.time() + self.ttl_s:.3f}"},
+                                      description=f"deleting {self.lock} as held by {owner}")
+        except MlflowException as err:
+            if _error_code(err) != "RESOURCE_ALREADY_EXISTS":
+                raise _unavailable(f"marking the promotion lock {self.lock!r} for deletion", err) from err
+            tags = self._tags_of(marker) or {}
+            try:
+                stale = float(tags.get("expires", "0")) < time.time()
+            except ValueError:
+                stale = True
+            if tags and stale:  # its maker died between marking and deleting: clear the way for the next try
+                self._delete_model(marker)
+            return False  # another process is deleting this version (or it is gone)
+        try:
+            holder = self._holder()
+            if holder is None or holder[0] != owner:
+                return False  # that version is gone already: the lock there now is someone else's
+            self._delete_model(self.lock)
+            return True
+        finally:
+            self._delete_model(marker)
+
+    def _delete_model(self, model: str) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client().delete_registered_model(model)
         except MlflowException as err:
             if _error_code(err) != "RESOURCE_DOES_NOT_EXIST":
-                raise _unavailable(f"removing the expired promotion lock {self.lock!r}", err) from err
+                raise _unavailable(f"removing {model!r}", err) from err
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
+            if time.time() - self._progressed > self.ttl_s:
+                log.warning("promotion lock %s: no progress for %.0f s; no longer renewed", self.lock,
+                            time.time() - self._progressed)
+                continue  # a stalled holder lets the lock expire: another driver may take over
             try:
-                client().set_registered_model_tag(self.lock, "expires", f"{time.time() + self.ttl_s:.3f}")
+                client().set_registered_model_tag(self.lock, _expires_key(self.token),
+                                                  f"{self._progressed + self.ttl_s:.3f}")
             except Exception as err:  # noqa: BLE001 - a blink of the server: the next beat retries
                 log.warning("could not renew the promotion lock %s: %s", self.lock, err)
 
@@ -186,16 +242,12 @@ class PromotionLease:
                                     f"{holder[0] if holder else 'nobody'}); the champion was not changed")
 
     def release(self) -> None:
-        from mlflow.exceptions import MlflowException
-
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         try:
-            holder = self._holder()
-            if holder is not None and holder[0] == self.owner:
-                client().delete_registered_model(self.lock)
-        except (MlflowException, RegistryUnavailable) as err:  # it expires on its own after ttl_s
+            self._delete_if_held_by(self.owner)
+        except RegistryUnavailable as err:  # it expires on its own after ttl_s
             log.warning("could not release the promotion lock %s (it expires by itself): %s", self.lock, err)
 
     def __enter__(self) -> "PromotionLease":
@@ -203,6 +255,16 @@ class PromotionLease:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _token_of(owner: str) -> str:
+    """The acquisition token of an owner string (host:pid:token); a malformed one is its own token."""
+    token = owner.rsplit(":", 1)[-1]
+    return token if token.isalnum() else uuid.uuid5(uuid.NAMESPACE_OID, owner).hex
+
+
+def _expires_key(token: str) -> str:
+    return f"expires_{token}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,7 +286,9 @@ def decide_promotion(name: str, version, new_tau: float, observed: str | None, o
     caller evaluated, None for no champion), evaluate the new champion (`evaluate_champion(version) -> tau`) and
     compare again; then alias `version` champion when its tau beats the champion's by `margin`, else candidate.
     The new champion is tagged with the version it replaced. Every decision tags `version` with the champion it
-    was compared with (DECIDED_AGAINST_TAG)."""
+    was compared with (DECIDED_AGAINST_TAG). `evaluate_champion` runs under the lease: it must report progress
+    (`lease.progress()`) at least once per `lease.ttl_s`, or the lease lapses and the decision ends in
+    PromotionConflict with nothing changed."""
     version = str(version)
     observed = None if observed is None else str(observed)
     lease = lease or PromotionLease(name)
@@ -243,7 +307,9 @@ def decide_promotion(name: str, version, new_tau: float, observed: str | None, o
             log.warning("champion of %s moved from %s to %s since version %s was evaluated; re-evaluating",
                         name, observed, current, version)
             print(f"[retrain] the champion moved from {observed} to {current} meanwhile: re-evaluating", flush=True)
+            lease.progress()
             champion_tau = None if current is None or current == version else float(evaluate_champion(current))
+            lease.progress()
             observed = current
         if observed == version:  # already the champion (a rerun of a run that promoted it): nothing to compare
             champion_tau = None
@@ -253,8 +319,31 @@ def decide_promotion(name: str, version, new_tau: float, observed: str | None, o
         c.set_model_version_tag(name, version, DECIDED_AGAINST_TAG, observed or "none")
         if promoted and observed not in (None, version):
             c.set_model_version_tag(name, version, PREVIOUS_CHAMPION_TAG, observed)
-        c.set_registered_model_alias(name, CHAMPION if promoted else CANDIDATE, version)
+        _move_alias(lease, name, CHAMPION if promoted else CANDIDATE, version)
     return Decision(promoted, observed, champion_tau, moved)
+
+
+def _move_alias(held: PromotionLease, name: str, alias: str, version: str) -> None:
+    """The one place an alias of a registered draft moves: only while `held` is this process's, unexpired."""
+    held.verify()
+    client().set_registered_model_alias(name, alias, str(version))
+
+
+def set_champion(name: str, version, expected: str | None, lease: PromotionLease | None = None) -> None:
+    """Compare-and-set without an evaluation (registering a first champion, the demo's shipped draft): under the
+    lease, point `name@champion` at `version` only if it still names `expected` (None: no champion yet);
+    otherwise raise PromotionConflict naming the champion found, which stays."""
+    version = str(version)
+    expected = None if expected is None else str(expected)
+    with lease or PromotionLease(name) as held:
+        current = alias_version(name, CHAMPION)
+        current = None if current is None else str(current.version)
+        if current == version:
+            return
+        if current != expected:
+            raise PromotionConflict(f"the champion of {name!r} is version {current}, not "
+                                    f"{expected or 'none'} as expected; version {version} was not made champion")
+        _move_alias(held, name, CHAMPION, version)
 
 
 def rollback(name: str, lease: PromotionLease | None = None) -> tuple[str, str]:
@@ -276,5 +365,5 @@ def rollback(name: str, lease: PromotionLease | None = None) -> tuple[str, str]:
             raise ValueError(f"the previous champion, version {previous} of {name!r}, is gone: {err}") from err
         held.verify()
         c.set_model_version_tag(name, str(current.version), ROLLED_BACK_TAG, previous)
-        c.set_registered_model_alias(name, CHAMPION, previous)
+        _move_alias(held, name, CHAMPION, previous)
         return str(current.version), previous

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
 from pipelines.console import progress
-from pipelines.registry import (CANDIDATE, CHAMPION, PromotionLease, alias_version,  # noqa: F401 (re-exported)
-                                client as registry_client, decide_promotion, rollback)
+from pipelines.registry import (CANDIDATE, CHAMPION, PromotionConflict, PromotionLease,  # noqa: F401 (re-exported)
+                                alias_version, client as registry_client, decide_promotion, rollback, set_champion)
 from pipelines.storage import exists, join, read_bytes, resolve_source
 
 
@@ -54,6 +54,10 @@ class RetrainConfig:
     # for another driver's decision before giving up.
     lock_ttl_s: float = 600.0
     lock_wait_s: float = 3600.0
+    # The champion's re-evaluation under the lock reports progress per prompt (the lease lapses after lock_ttl_s
+    # without any, so a hung evaluation loses the lock) and is cancelled after eval_timeout_s: the decision then
+    # fails with nothing changed. lock_ttl_s must exceed the evaluation's longest silent phase (the target's load).
+    eval_timeout_s: float = 3600.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,7 +95,7 @@ def check_eval_prompts(source: str) -> None:
         raise FileNotFoundError(f"eval_prompts: no file at {source}")
 
 
-def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: RetrainConfig) -> dict:
+def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: RetrainConfig, on_progress=None) -> dict:
     """tau, and the speed-ups a user gets on this machine.
 
     tau (the draft's quality, which promotion compares) comes from greedy decoding of all prompts with
@@ -133,6 +137,8 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: Retrai
                 accepted[prompts[n]["set"]] += sum(out.stats[0].accept_lengths)
                 rounds[prompts[n]["set"]] += len(out.stats[0].accept_lengths)
         bar.update(1)
+        if on_progress is not None:
+            on_progress()
     bar.close()
     tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
     return {"tau": tuned.tau[f"{full.depth}/{full.size}"],  # the calibration tree itself
@@ -147,10 +153,14 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: Retrai
 # Registry
 # --------------------------------------------------------------------------------------------------
 
-def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experiment: str = "eagle3-retrain",
-                          run_name: str = "register-draft") -> int:
+def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, experiment: str = "eagle3-retrain",
+                          run_name: str = "register-draft", expected_champion: str | None = None) -> int:
     """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
-    with `alias`; returns the new version."""
+    with `alias`; returns the new version.
+
+    `champion` moves only by compare-and-set under the promotion lock (`registry.set_champion`): the version
+    becomes champion only if the champion is still `expected_champion` (None: there is none), else
+    PromotionConflict is raised and the champion found stays (the new version stays registered, without alias)."""
     from pipelines import tracking
 
     client = registry_client()
@@ -158,7 +168,10 @@ def register_draft_folder(folder: str, name: str, alias: str = CHAMPION, experim
     client.log_param(run_id, "source", str(folder))
     client.log_artifacts(run_id, str(folder), "draft")
     client.set_terminated(run_id)
-    return tracking.register_artifact(run_id, "draft", name, alias)
+    version = tracking.register_artifact(run_id, "draft", name, None if alias == CHAMPION else alias)
+    if alias == CHAMPION:
+        set_champion(name, version, expected_champion)
+    return version
 
 
 
@@ -234,7 +247,7 @@ def _plot_scaling(points: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str) -> dict:
+def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, beacon=None) -> dict:
     """{name: evaluate_draft(...)} for drafts named by registry URIs, sharing one target load and one prompt set
     (one machine, the same prompts: the comparison is fair). The prompts are built here, beside the target: second
     turns follow its own answers, and long contexts are measured with its tokenizer."""
@@ -243,17 +256,46 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str) ->
     from pipelines.cluster import use_assigned_cpus
     from pipelines.prompt_sets import prompt_set, target_answerer
 
+    def tick():  # progress for the driver's lease (a beacon actor it polls), when it holds one
+        if beacon is not None:
+            beacon.tick.remote()
+
     use_assigned_cpus()
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the driver's store: the registry URIs resolve through it
     target, tokenizer = load_target(config.target, device=default_device())
+    tick()
     prompts, _ = prompt_set(config.eval_prompts, tokenizer, config.eval_count, 0,
                             answer=target_answerer(target, tokenizer, config.eval_max_new_tokens))
-    return {name: evaluate_draft(target, tokenizer, load_draft(resolve_source(source), target=target), prompts, config)
+    tick()
+    return {name: evaluate_draft(target, tokenizer, load_draft(resolve_source(source), target=target), prompts, config,
+                                 on_progress=tick)
             for name, source in sources.items()}
 
 
-def evaluate_on_worker(config: RetrainConfig, sources: dict) -> dict:
-    """`_evaluate_drafts` as a Ray task with the target's resources (on a GPU node where the cluster has GPUs)."""
+class ProgressBeacon:
+    """A counter an evaluation task ticks and its driver polls (a Ray actor: the task runs on another node)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def tick(self) -> None:
+        self.count += 1
+
+    def read(self) -> int:
+        return self.count
+
+
+class EvaluationTimeout(PromotionConflict):
+    """The champion's re-evaluation under the lock did not finish within `eval_timeout_s`."""
+
+
+def evaluate_on_worker(config: RetrainConfig, sources: dict, lease: PromotionLease | None = None,
+                       timeout_s: float | None = None) -> dict:
+    """`_evaluate_drafts` as a Ray task with the target's resources (on a GPU node where the cluster has GPUs).
+
+    With `lease` (an evaluation under the promotion lock) the task ticks a beacon actor after the target's load
+    and after each prompt; each tick seen here is `lease.progress()`, so the lease outlives a slow evaluation
+    but not a stalled one. With `timeout_s` the task is cancelled past it and EvaluationTimeout raised."""
     import ray
 
     from pipelines import tracking
@@ -262,7 +304,29 @@ def evaluate_on_worker(config: RetrainConfig, sources: dict) -> dict:
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     task = ray.remote(num_cpus=config.eval_cpus, num_gpus=gpus)(_evaluate_drafts)
-    return ray.get(task.remote(config, sources, tracking.tracking_uri()))
+    beacon = ray.remote(num_cpus=0)(ProgressBeacon).remote() if lease is not None else None
+    ref = task.remote(config, sources, tracking.tracking_uri(), beacon)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    poll = 5.0 if lease is None else max(0.1, min(5.0, lease.ttl_s / 6))
+    seen = 0
+    try:
+        while True:
+            wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
+            ready, _ = ray.wait([ref], timeout=wait)
+            if ready:
+                return ray.get(ref)
+            if beacon is not None:
+                ticks = ray.get(beacon.read.remote(), timeout=60)
+                if ticks > seen:
+                    seen = ticks
+                    lease.progress()
+            if deadline is not None and time.monotonic() >= deadline:
+                ray.cancel(ref, force=True)
+                raise EvaluationTimeout(f"the evaluation of {sorted(sources)} did not finish within {timeout_s:.0f} s "
+                                        "(eval_timeout_s); it was cancelled and nothing was changed")
+    finally:
+        if beacon is not None:
+            ray.kill(beacon)
 
 
 def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
@@ -281,12 +345,14 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
     new, champion_eval = evals["new"], evals.get("champion")
     observed = None if champion is None else str(champion.version)
 
-    def evaluate_champion(moved_to: str) -> float:  # the champion moved since: compare with the new one
-        nonlocal champion_eval
-        champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"})["champion"]
+    lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
+
+    def evaluate_champion(moved_to: str) -> float:  # the champion moved since: compare with the new one (under
+        nonlocal champion_eval  # the lock: it reports progress to the lease and has a deadline)
+        champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"},
+                                           lease=lease, timeout_s=config.eval_timeout_s)["champion"]
         return champion_eval["tau"]
 
-    lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
     decision = decide_promotion(config.registered_model, version, new["tau"], observed,
                                 champion_eval["tau"] if champion_eval else None, config.margin, evaluate_champion,
                                 lease)

@@ -120,6 +120,9 @@ def register_artifact(run_id: str, artifact_path: str, name: str, alias: str | N
     already registered with that digest (a retry after the server answered the first attempt's create too late,
     or failed after it) is returned instead of registering the draft twice; the digest is a tag that the create
     itself sets, so no version exists without it."""
+    if alias == "champion":  # it moves only by compare-and-set under the promotion lock
+        raise ValueError("register_artifact does not set `champion`: use pipelines.registry (set_champion, "
+                         "decide_promotion)")
     mlflow = configure()
     client = mlflow.tracking.MlflowClient()
     try:

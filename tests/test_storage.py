@@ -147,7 +147,7 @@ def test_registry_drafts_are_cached_per_version_and_leave_no_temporary_files(tmp
     assert resolve_source("models:/cached@champion") == first == resolve_source("models:/cached/1")
     pinned = pin_registry_uri("models:/cached@champion")  # what a job's driver hands its workers
     assert pinned == "models:/cached/1"
-    register_draft_folder(str(drafts[1]), "cached")  # version 2 becomes the champion
+    register_draft_folder(str(drafts[1]), "cached", expected_champion="1")  # version 2 replaces champion 1
     second = resolve_source("models:/cached@champion")
     assert second != first and json.loads((Path(second) / "config.json").read_text()) == {"n": 1}
     assert resolve_source(pinned) == first  # a worker resolving the pinned URI after the move gets the same files
