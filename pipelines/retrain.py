@@ -194,20 +194,39 @@ def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str
     """Train the scale's draft, or return the summary of the one trained by an earlier invocation."""
     from pipelines.train import run_train
 
-    output = join(config.work, "drafts", f"rows-{rows}")
+    output = draft_output(config, rows, features)
     summary = join(output, "summary.json")
     if exists(summary):
         done = json.loads(read_bytes(summary))
         _check_trained(config, rows, features, done.get("fingerprint"), output)
         return done
-    return run_train(_scale_job(config, rows, features, init_from))
+    return run_train(_scale_job(config, rows, features, init_from, output))
 
 
-def _scale_job(config: RetrainConfig, rows: int, features: str, init_from: str | None):
+def draft_output(config: RetrainConfig, rows: int, features: str) -> str:
+    """Where the scale's draft is trained: `drafts/rows-<rows>`, unless a draft of other features was trained (or
+    started) there. Then the corpus was edited in place since (the features' shard names hash their rows'
+    content, so the shard list changed), and the new features are trained in `drafts/rows-<rows>-<shard-list
+    hash>` rather than refused; every other difference is still refused by `_check_trained`."""
+    from pipelines.feature_files import load_manifest
+    from pipelines.train.driver import features_shards_digest
+
+    base = join(config.work, "drafts", f"rows-{rows}")
+    recorded = None
+    for name in ("summary.json", "train_run.json"):  # a finished run, else one started
+        if exists(join(base, name)):
+            recorded = json.loads(read_bytes(join(base, name))).get("fingerprint") or {}
+            break
+    if recorded is None or recorded.get("features_shards") is None:
+        return base  # nothing trained there yet (or by a version that did not record it: checked as before)
+    shards = features_shards_digest(load_manifest(features))
+    return base if recorded["features_shards"] == shards else f"{base}-{shards}"
+
+
+def _scale_job(config: RetrainConfig, rows: int, features: str, init_from: str | None, output: str):
     from pipelines.train import TrainJobConfig
 
-    overrides = {**config.train, "features": features, "target": config.target,
-                 "output": join(config.work, "drafts", f"rows-{rows}"),
+    overrides = {**config.train, "features": features, "target": config.target, "output": output,
                  "registered_model_name": config.registered_model, "resume": True}
     if init_from:
         overrides["init_from"] = init_from
@@ -223,7 +242,7 @@ def _check_trained(config: RetrainConfig, rows: int, features: str, recorded: di
     from pipelines.train.driver import training_fingerprint
 
     started_from = (recorded or {}).get("init_from")
-    check_fingerprint(recorded, training_fingerprint(_scale_job(config, rows, features, started_from)),
+    check_fingerprint(recorded, training_fingerprint(_scale_job(config, rows, features, started_from, output)),
                       f"the draft trained in {output}",
                       "Retrain into another --work, or delete that scale's drafts folder to train it again.")
 

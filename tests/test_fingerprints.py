@@ -124,3 +124,29 @@ def test_a_corpus_edited_in_place_is_re_extracted_where_it_changed(ray_cluster, 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     assert "counted on two hands" in tokenizer.decode(new_rows["conv3"])
     assert new_rows["conv3"] != old_rows["conv3"] and new_rows["conv0"] == old_rows["conv0"]
+
+
+def test_retraining_trains_the_features_of_an_edited_corpus_instead_of_refusing_them(tmp_path):
+    """The weekly retraining (same --work) after a corpus edit: the scale's features now list other shards, so
+    its draft is trained beside the old one (`drafts/rows-N-<shard-list hash>`), not refused as made differently;
+    the same features still find the draft already trained."""
+    from pipelines.feature_files import FeatureManifest, ShardEntry, write_manifest
+    from pipelines.retrain import RetrainConfig, draft_output
+    from pipelines.train.driver import features_shards_digest
+
+    def manifest(names):
+        return FeatureManifest(target="t", target_hidden_size=8, target_vocab_size=16, aux_layer_ids=[1, 2, 3],
+                               dtype="float32", rows=len(names), tokens=4, loss_tokens=2, token_counts={},
+                               shards=[ShardEntry(name=n, rows=1, tokens=2) for n in names])
+
+    config, features = RetrainConfig(work=str(tmp_path / "work")), str(tmp_path / "features")
+    base = tmp_path / "work" / "drafts" / "rows-4"
+    first = manifest(["shard-00000-aaaaaaaaaa", "shard-00001-bbbbbbbbbb"])
+    write_manifest(features, first)
+    assert draft_output(config, 4, features) == str(base)  # nothing trained yet
+    base.mkdir(parents=True)
+    (base / "summary.json").write_text(json.dumps({"fingerprint": {"features_shards": features_shards_digest(first)}}))
+    assert draft_output(config, 4, features) == str(base)  # the same features: the trained draft is reused
+    edited = manifest(["shard-00000-aaaaaaaaaa", "shard-00001-cccccccccc"])
+    write_manifest(features, edited)
+    assert draft_output(config, 4, features) == f"{base}-{features_shards_digest(edited)}"

@@ -110,12 +110,17 @@ TRAINING_FINGERPRINT_FIELDS = ("target", "epochs", "max_steps", "lr", "min_lr_ra
                                "eval_fraction", "seed", "strategy", "init_from", "corpus", "extract")
 
 
+def features_shards_digest(manifest) -> str:
+    """A hash of a features manifest's exact shard list (shard names hash their rows' ids and content)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(s.name for s in manifest.shards).encode()).hexdigest()[:16]
+
+
 def training_fingerprint(config: TrainJobConfig) -> dict:
     """What made a training output: the decisive job fields, the target's weights by content and, in features
     mode, the extraction's fingerprint and the exact shard list of its manifest (a hash), in streaming mode the
     corpus files by content; a resumed or reused run is checked against them."""
-    import hashlib
-
     fingerprint = {k: getattr(config, k) for k in TRAINING_FINGERPRINT_FIELDS}
     # the warm-up that takes effect: explicit steps, else the ratio (which explicit steps make irrelevant)
     fingerprint["warmup"] = ({"steps": config.warmup_steps} if config.warmup_steps is not None
@@ -127,8 +132,7 @@ def training_fingerprint(config: TrainJobConfig) -> dict:
 
         manifest = load_manifest(config.features)
         fingerprint["features_fingerprint"] = manifest.fingerprint
-        fingerprint["features_shards"] = hashlib.sha256("\n".join(s.name for s in manifest.shards).encode()
-                                                        ).hexdigest()[:16]
+        fingerprint["features_shards"] = features_shards_digest(manifest)
         fingerprint["target_weights_hash"] = weights_fingerprint(config.target or manifest.target)
     else:  # streaming: the target and the corpus by content (the path and the URL may hold new bytes)
         from pipelines.data import corpus_fingerprint
