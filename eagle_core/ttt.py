@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from eagle_core.draft import Eagle3Draft, repeat_kv
 from eagle_core.recipe import REFERENCE
-from eagle_core.ttt_ops import soft_cross_entropy, ttt_attention
+from eagle_core.ttt_ops import compute_dtype, float_out_mm, soft_cross_entropy, ttt_attention
 from eagle_core.vocab import draft_ids_from_mapping
 
 NOISE_KINDS = ("none", "uniform", "gaussian")
@@ -87,6 +87,9 @@ def simulated_accept_length(step_accuracies) -> float:
 
 
 TARGET_BLOCK = 512  # rows of the target's head at a time: [rows, target vocab] logits, 100 MB at 49k float32
+# On CUDA under autocast, the target's argmax is screened in float16 and re-checked in float32 among the
+# ARGMAX_CANDIDATES highest float16 logits (a row where those may miss it: the whole row in float32).
+ARGMAX_CANDIDATES = 8
 
 
 @torch.no_grad()
@@ -96,13 +99,19 @@ def target_distribution(last_hidden, target_lm_head_weight, d2t):
     last_hidden: [B, L, Ht] (after the target's final norm); target_lm_head_weight: [V, Ht]
     returns target_p [B, L, Vd] float32 and target_argmax [B, L] (target ids)
     Computed a block of rows at a time, so no [B, L, V] logits tensor exists at long L.
+    A float32 head on CUDA under a bf16/fp16 autocast takes `low_precision_teacher` (a full-vocab float32 GEMM
+    is ~15x slower there than a half-precision one); on a CPU it is no faster (measured: 2.7 against 2.3 CPU
+    seconds for the SmolLM2 shape at 2 048 tokens), so the CPU keeps the float32 one.
     """
     w = target_lm_head_weight
+    device = w.device.type
+    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+    if device == "cuda" and w.dtype == torch.float32 and low in (torch.bfloat16, torch.float16):
+        return low_precision_teacher(last_hidden, w, d2t, low)
     hidden = last_hidden.to(w.device, w.dtype).flatten(0, 1)
     rows = draft_ids_from_mapping(d2t).to(w.device)
     # Softmax restricted to a subset and renormalised == softmax of that subset's logits, in float32 whatever the
-    # caller's autocast (a bf16 teacher would be off by ~1 % per probability). The argmax is over the head's own
-    # dtype; a float32 head gives both from one product.
+    # caller's autocast. The argmax is over the head's own dtype; a float32 head gives both from one product.
     w_rows = None if w.dtype == torch.float32 else w[rows].float()
     p_blocks, arg_blocks = [], []
     with torch.autocast(device_type=w.device.type, enabled=False):
@@ -112,6 +121,49 @@ def target_distribution(last_hidden, target_lm_head_weight, d2t):
             p_blocks.append(torch.softmax(logits[:, rows] if w_rows is None else F.linear(h.float(), w_rows), dim=-1))
     shape = last_hidden.shape[:2]
     return torch.cat(p_blocks).view(*shape, -1), torch.cat(arg_blocks).view(shape)
+
+
+@torch.no_grad()
+def low_precision_teacher(last_hidden, w, d2t, low=torch.bfloat16):
+    """`target_distribution` for a float32 head `w` under a `low` (bf16/fp16) autocast.
+
+    Soft labels: the draft-vocab rows only, inputs rounded to `low`, float32 products and softmax (rounding the
+    inputs moves a probability by ~1 %: what training in `low` accepts everywhere else).
+    Argmax over the full vocabulary, equal to the float32 one: a float16 screen (10 mantissa bits: on SmolLM2's
+    real features its rounding bound below ruled out all but the top 8 logits in 99.6 % of rows; bf16's did in
+    27 %), then the float32 logits of its ARGMAX_CANDIDATES highest. |fp16 logit - float32 logit| <= delta =
+    (2.5u + n 2^-23) ||h|| max_v ||w_v|| (the inputs' rounding, Cauchy-Schwarz, the float32 accumulation)
+    + 2^-25 (||h||_1 + max_v ||w_v||_1) (subnormals) + 2u |logit| (the output's rounding), u = 2^-11. Where the
+    lowest candidate plus its delta stays below the highest minus its delta, no other logit can be the largest;
+    other rows (and any that overflow float16) are recomputed whole in float32 after all blocks (one host sync).
+    """
+    hidden = last_hidden.to(w.device).flatten(0, 1).float()
+    rows = draft_ids_from_mapping(d2t).to(w.device)
+    screen = torch.float16
+    u = torch.finfo(screen).eps / 2
+    w_norm, w_l1 = w.norm(dim=-1).max(), w.abs().sum(-1).max()
+    p_blocks, arg_blocks, sure_blocks = [], [], []
+    with torch.autocast(device_type=w.device.type, enabled=False):
+        w_screen = w.to(screen)  # once per call
+        w_rows = w[rows].to(low).t()  # [Ht, Vd]
+        c = min(ARGMAX_CANDIDATES, w.shape[0])
+        for h in hidden.split(TARGET_BLOCK):
+            p_blocks.append(torch.softmax(float_out_mm(h.to(low), w_rows), dim=-1))
+            top = F.linear(h.to(screen), w_screen).topk(c, dim=-1)  # [n, c], highest first
+            values = top.values.float()
+            bound = ((2.5 * u + h.shape[1] * 2.0 ** -23) * h.norm(dim=-1, keepdim=True) * w_norm
+                     + 2.0 ** -25 * (h.abs().sum(-1, keepdim=True) + w_l1) + 2 * u * values.abs())
+            # highest possible true logit of any non-candidate < lowest possible true logit of the top candidate
+            sure = (values[:, -1] + bound[:, -1]) < (values[:, 0] - bound[:, 0])
+            sure_blocks.append(sure & values.isfinite().all(-1))
+            exact = torch.bmm(w[top.indices], h[:, :, None])[..., 0]  # [n, c] float32
+            arg_blocks.append(top.indices.gather(1, exact.argmax(-1, keepdim=True))[:, 0])
+        argmax, sure = torch.cat(arg_blocks), torch.cat(sure_blocks)
+        if not bool(sure.all()):
+            unsure = (~sure).nonzero()[:, 0]
+            argmax[unsure] = torch.cat([F.linear(h, w).argmax(-1) for h in hidden[unsure].split(TARGET_BLOCK)])
+    shape = last_hidden.shape[:2]
+    return torch.cat(p_blocks).view(*shape, -1), argmax.view(shape)
 
 
 def positions_from_mask(attention_mask):
@@ -177,6 +229,10 @@ def ttt_forward(
     if draft.training and noise is not None:
         aux_hidden = noise.apply(aux_hidden)
     hidden = draft.fuse(aux_hidden)  # [B, L, H]
+    # The head in the compute dtype, cast once for the K steps (its gradient still goes to the float32 weight).
+    head_dtype = compute_dtype(hidden)
+    head_low = draft.lm_head.weight.detach().to(head_dtype) if head_dtype != draft.lm_head.weight.dtype else None
+    counted = counted_rows(loss_mask, attention_mask, K)
     k0 = v0 = None
     diag_k, diag_v, results = [], [], []
     for k in range(K):
@@ -190,19 +246,32 @@ def ttt_forward(
         hidden = draft.finish_layer(ttt_attention(q, k0, v0, key_valid, diag_k, diag_v), residual)
         # Logits are materialised only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         logits = draft.compute_logits(hidden) if return_logits else None
-        results.append((logits, *step_head_loss(draft, hidden, k, target_p, target_argmax, loss_mask, attention_mask)))
+        results.append((logits, *step_head_loss(draft, hidden, k, target_p, target_argmax, counted[k], head_low)))
     return _collect(results, step_decay, return_logits, step_denominators)
 
 
-def step_head_loss(draft, hidden, k, target_p, target_argmax, loss_mask, column_mask):
-    """`step_loss` of the draft's head on `hidden` [B, L, H], computed on the counted rows only and without
-    keeping their [rows, draft vocab] logits (`ttt_ops.soft_cross_entropy`). Loss masks are 0/1."""
-    counted = step_mask(loss_mask, column_mask, hidden.shape[1], k) > 0  # [B, n]
-    b, t = counted.nonzero(as_tuple=True)
+def counted_rows(loss_mask, column_mask, steps: int) -> list[tuple]:
+    """Per step k < `steps`: (batch indices, column indices, count) of the columns that count (`step_mask`), all
+    from one `nonzero` (one host sync per training step on CUDA, not one per TTT step)."""
+    B, L = loss_mask.shape
+    width = max(L - 2, 0)
+    masks = torch.stack([F.pad(step_mask(loss_mask, column_mask, L, k), (0, width - max(L - k - 2, 0)))
+                         for k in range(steps)]) > 0  # [K, B, L-2]
+    _, b, t = masks.nonzero(as_tuple=True)  # ordered by k, then b, then t: each step's (b, t) as before
+    counts = masks.sum((1, 2))
+    sizes = counts.tolist()
+    return [(bk, tk, c.float()) for bk, tk, c in zip(b.split(sizes), t.split(sizes), counts)]
+
+
+def step_head_loss(draft, hidden, k, target_p, target_argmax, counted, head_low=None):
+    """`step_loss` of the draft's head on `hidden` [B, L, H], computed on the counted rows only (`counted`: one
+    step of `counted_rows`) and without keeping their [rows, draft vocab] logits (`ttt_ops.soft_cross_entropy`).
+    head_low: the head's weight in the compute dtype (cast once per training step), or None."""
+    b, t, count = counted
     x = draft.norm(hidden[b, t])  # [N, H]
     loss, hits = soft_cross_entropy(x, draft.lm_head.weight, target_p[b, t + k + 1], target_argmax[b, t + k + 1],
-                                     draft.d2t)
-    return loss, hits, counted.sum().float()
+                                     draft.d2t, head_low)
+    return loss, hits, count
 
 
 def step_mask(loss_mask, column_mask, length: int, k: int):
@@ -351,6 +420,58 @@ def with_targets(batch: dict, target_lm_head_weight, d2t) -> dict:
     return {**batch, "targets": target_distribution(batch["last_hidden"], target_lm_head_weight, d2t)}
 
 
+class BadBatch(ValueError):
+    """A training batch that cannot train the draft; the message names what is wrong."""
+
+
+def check_batch(draft, batch: dict, target_lm_head_weight=None, empty_rows: bool = True) -> None:
+    """Refuse a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets]} that does not fit
+    `draft` or holds nothing to learn: shapes that disagree with each other or with the draft (features of another
+    target or other aux layers, a head of another vocabulary), token ids outside the target's vocabulary, and
+    (`empty_rows`) a row of real tokens whose loss mask selects none that a TTT step counts. A row without real
+    tokens (attention mask all 0: the distributed loop's dummy row) is no error. Raises BadBatch naming it.
+    `train_step` checks all but empty rows on every batch (those would fail later, less clearly); a caller that
+    builds the batches checks them whole before the first step."""
+    cfg = draft.config
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise BadBatch(f"input_ids must be [batch, length], got shape {list(ids.shape)}")
+    B, L = ids.shape
+    for name in ("loss_mask", "attention_mask"):
+        if batch.get(name) is not None and tuple(batch[name].shape) != (B, L):
+            raise BadBatch(f"{name} is {list(batch[name].shape)}, input_ids {[B, L]}: one entry per token needed")
+    width = len(cfg.aux_layer_ids) * cfg.target_hidden_size
+    expected = {"aux_hidden": (B, L, width), "last_hidden": (B, L, cfg.target_hidden_size)}
+    why = {"aux_hidden": f"{len(cfg.aux_layer_ids)} aux layers {cfg.aux_layer_ids} x target hidden "
+                         f"{cfg.target_hidden_size}",
+           "last_hidden": f"the target's hidden size {cfg.target_hidden_size}"}
+    for name, shape in expected.items():
+        if tuple(batch[name].shape) != shape:
+            raise BadBatch(f"{name} is {list(batch[name].shape)}; this draft needs {list(shape)} ({why[name]}): "
+                           "features of another target, aux layers or length")
+    if target_lm_head_weight is not None and tuple(target_lm_head_weight.shape) != (
+            cfg.target_vocab_size, cfg.target_hidden_size):
+        raise BadBatch(f"the target's lm_head is {list(target_lm_head_weight.shape)}; this draft needs "
+                       f"{[cfg.target_vocab_size, cfg.target_hidden_size]} (target vocabulary x hidden)")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
+        raise BadBatch(f"input_ids hold {int(ids.min())}..{int(ids.max())}, outside the target's vocabulary "
+                       f"0..{cfg.target_vocab_size - 1}")
+    targets = batch.get("targets")
+    if targets is not None and tuple(targets[0].shape) != (B, L, cfg.draft_vocab_size):
+        raise BadBatch(f"targets' distribution is {list(targets[0].shape)}; this draft needs "
+                       f"{[B, L, cfg.draft_vocab_size]} (its draft vocabulary)")
+    if not empty_rows:
+        return
+    # Step 0 counts column t when loss_mask[t+2] is set at a real column t (`step_mask`); later steps count fewer.
+    attention = batch.get("attention_mask")
+    real = torch.ones_like(ids, dtype=torch.float32) if attention is None else attention.float()
+    counted = step_mask(batch["loss_mask"].float() * real, real, L, 0)
+    empty = ((counted.sum(-1) == 0) & (real.sum(-1) > 0)).nonzero()[:, 0].tolist()
+    if empty:
+        raise BadBatch(f"row(s) {empty} of the batch have an empty loss mask (no token from position 2 on is "
+                       "marked for training): nothing to learn from them")
+
+
 def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig,
                forward=None) -> dict:
     """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets,
@@ -358,7 +479,9 @@ def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, 
 
     `forward` (default `ttt_forward`, same signature) lets a distributed caller route the loss through its
     DDP/FSDP wrapper (gradient sync needs the wrapper's forward) and autocast; the step itself stays here.
+    A batch that does not fit the draft is refused first (`check_batch`), before the weights move.
     """
+    check_batch(draft, batch, target_lm_head_weight, empty_rows=False)
     draft.train()
     out = (forward or ttt_forward)(
         draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],

@@ -126,14 +126,40 @@ def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v):
     return _TTTAttention.apply(key_valid.bool(), *tensors)
 
 
-def _head_blocks(x, weight, target_p, target_argmax, d2t, grad_x: bool, grad_w: bool):
-    """Loss sum, hits, and (when asked) the loss sum's gradients for x and weight, a block of rows at a time."""
+# The lm_head weight gradient of a low-precision step: one GEMM over all rows with a float32 result (True), or a
+# float32 `+=` of each block's product (False: the float32 path's way, whose result stays bit for bit). None: one
+# GEMM on CUDA, where it is one fp32-output bf16 GEMM instead of a [Vd, H] float32 read-modify-write per block of
+# 512 rows (~2 GB of traffic per block at Llama-3.1-8B's draft); blocks on a CPU, where the one GEMM has to run in
+# float32 (measured: 328 against 263 ms median for 1 024 rows x 8 192 x 576, one thread).
+ONE_GEMM_WEIGHT_GRAD: bool | None = None
+
+
+def float_out_mm(a, b):
+    """a @ b for low-precision a, b with a float32 result: one GEMM where the device has an fp32-output one (CUDA's
+    `torch.mm(..., out_dtype=)`), else float32 math on the rounded inputs. Rounding a product to bf16 would cost
+    ~0.4 % of its magnitude (at logits of ~20, ~4 % of a probability; a weight gradient summed from bf16 blocks
+    loses as much per block)."""
+    if a.device.type == "cuda":
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without `mm.dtype`
+            pass
+    return a.float() @ b.float()
+
+
+def _head_blocks(x, weight, target_p, target_argmax, d2t, grad_x: bool, grad_w: bool, weight_low=None):
+    """Loss sum, hits, and (when asked) the loss sum's gradients for x and weight, a block of rows at a time.
+    weight_low: `weight` already in x's dtype (cast once per training step by the caller), else cast here."""
     with _no_autocast(x.device.type):
-        w = weight.to(x.dtype)
+        w = weight_low if weight_low is not None and weight_low.dtype == x.dtype else weight.to(x.dtype)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         hits = torch.zeros((), dtype=torch.float32, device=x.device)
         gx = torch.empty_like(x) if grad_x else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grad_w else None
+        one_gemm = grad_w and x.dtype != torch.float32 and (
+            x.device.type == "cuda" if ONE_GEMM_WEIGHT_GRAD is None else ONE_GEMM_WEIGHT_GRAD)
+        # one_gemm: every block's logits gradient kept ([rows, Vd] in x's dtype, only until the GEMM below)
+        g_all = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) if one_gemm else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grad_w and not one_gemm else None
         for a in range(0, x.shape[0], HEAD_BLOCK):
             rows = slice(a, a + HEAD_BLOCK)
             logits = F.linear(x[rows], w).float()  # [n, Vd]
@@ -149,15 +175,20 @@ def _head_blocks(x, weight, target_p, target_argmax, d2t, grad_x: bool, grad_w: 
             g = (torch.exp(logits - lse) * p_sum - p).to(x.dtype)
             if gx is not None:
                 gx[rows] = g @ w
-            if gw is not None:
+            if g_all is not None:
+                g_all[rows] = g
+            elif gw is not None:
                 gw += (g.transpose(0, 1) @ x[rows]).float()
+        if g_all is not None:
+            gw = float_out_mm(g_all.t(), x)
     return loss, hits, gx, gw
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target_p, target_argmax, d2t):
-        loss, hits, gx, gw = _head_blocks(x, weight, target_p, target_argmax, d2t, *ctx.needs_input_grad[:2])
+    def forward(ctx, x, weight, target_p, target_argmax, d2t, weight_low):
+        loss, hits, gx, gw = _head_blocks(x, weight, target_p, target_argmax, d2t, *ctx.needs_input_grad[:2],
+                                          weight_low=weight_low)
         ctx.save_for_backward(gx, gw)
         ctx.mark_non_differentiable(hits)
         return loss, hits
@@ -166,17 +197,19 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_hits):
         gx, gw = ctx.saved_tensors
         return (None if gx is None else gx * grad_loss.to(gx.dtype),
-                None if gw is None else gw * grad_loss, None, None, None)
+                None if gw is None else gw * grad_loss, None, None, None, None)
 
 
-def soft_cross_entropy(x, weight, target_p, target_argmax, d2t):
+def soft_cross_entropy(x, weight, target_p, target_argmax, d2t, weight_low=None):
     """(sum over rows of -<target_p, log_softmax(x @ weight.T)>, number of rows whose head argmax, mapped to
     target ids through d2t, equals target_argmax). x: [N, H]; weight: [Vd, H]; target_p: [N, Vd].
+    weight_low: optional detached copy of `weight` in the compute dtype, made once per training step (the TTT
+    steps share one head); the gradient still goes to `weight`, in its own dtype.
 
     With gradients on, the head's gradients are computed here, in the forward (a scalar loss needs no more).
     """
     x = x.to(compute_dtype(x))
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _SoftCrossEntropy.apply(x, weight, target_p, target_argmax, d2t)
-    loss, hits, _, _ = _head_blocks(x, weight, target_p, target_argmax, d2t, False, False)
+        return _SoftCrossEntropy.apply(x, weight, target_p, target_argmax, d2t, weight_low)
+    loss, hits, _, _ = _head_blocks(x, weight, target_p, target_argmax, d2t, False, False, weight_low)
     return loss, hits

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eagle_core.draft import Eagle3Draft
 from eagle_core.capture import capture_features
@@ -95,7 +96,8 @@ def test_efficient_ttt_matches_naive_under_bf16_autocast(tiny_target):
 
 
 def test_autocast_leaves_the_teacher_and_the_counts_in_float32(tiny_target):
-    """Under bf16 autocast (how distillation trains) the target distribution is the float32 one, bit for bit, and
+    """Under bf16 autocast on a CPU (how distillation trains there) the target distribution is the float32 one, bit
+    for bit (the low-precision teacher is CUDA's: no faster on a CPU), and
     per-step position counts stay exact past 256 (bf16 holds integers exactly only up to 256)."""
     g = torch.Generator().manual_seed(3)
     length = 300
@@ -110,6 +112,67 @@ def test_autocast_leaves_the_teacher_and_the_counts_in_float32(tiny_target):
                           ttt_steps=3)
     assert mixed[0].dtype == torch.float32 and torch.equal(mixed[0], plain[0]) and torch.equal(mixed[1], plain[1])
     assert out.step_counts.tolist() == [length - 2, length - 3, length - 4]
+
+
+def _teacher_inputs(tiny_target, length=200, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    feats = capture_features(tiny_target, torch.randint(3, tiny_target.config.vocab_size, (1, length), generator=g))
+    return feats.last_hidden, tiny_target.get_output_embeddings().weight.detach(), _draft(tiny_target).d2t
+
+
+@pytest.mark.parametrize("candidates", [8, 1])
+def test_low_precision_teacher_has_the_float32_argmax_and_close_labels(tiny_target, monkeypatch, candidates):
+    """The CUDA teacher under bf16 autocast: soft labels from bf16 inputs (close to float32's), and the argmax equal
+    to float32's, through the float16 screen and its candidates (8) or with every row re-checked whole (1: no row
+    can be sure from one candidate)."""
+    from eagle_core import ttt
+
+    monkeypatch.setattr(ttt, "ARGMAX_CANDIDATES", candidates)
+    monkeypatch.setattr(ttt, "TARGET_BLOCK", 64)  # several blocks, the last one short
+    hidden, head, d2t = _teacher_inputs(tiny_target)
+    p32, arg32 = target_distribution(hidden, head, d2t)
+    p, arg = ttt.low_precision_teacher(hidden, head, d2t, torch.bfloat16)
+    assert p.dtype == torch.float32 and torch.equal(arg, arg32)
+    torch.testing.assert_close(p, p32, rtol=3e-2, atol=1e-4)
+    torch.testing.assert_close(p.sum(-1), torch.ones_like(p[..., 0]))
+
+
+def test_low_precision_teacher_settles_near_ties_in_float32(tiny_target):
+    """Rows whose two best target logits differ by less than float16 can resolve: the head holds, for each row's
+    float32 winner, a copy nudged 1e-6 higher in that row's direction. Only the float32 re-check sees which wins."""
+    from eagle_core import ttt
+
+    hidden, head, d2t = _teacher_inputs(tiny_target, length=40)
+    h = hidden.flatten(0, 1)
+    winners = F.linear(h, head).argmax(-1)
+    twins = head[winners] + 1e-6 * h / h.norm(dim=-1, keepdim=True)  # logit higher by 1e-6 * ||h||
+    head2 = torch.cat([head, twins])
+    _, arg32 = target_distribution(hidden, head2, d2t)
+    assert (arg32.flatten() >= head.shape[0]).all()  # the twins win in float32
+    _, arg = ttt.low_precision_teacher(hidden, head2, d2t, torch.bfloat16)
+    assert torch.equal(arg, arg32)
+
+
+def test_one_gemm_weight_gradient_is_closer_to_float32_than_bf16_blocks(tiny_target, monkeypatch):
+    """Under bf16 autocast the lm_head gradient as one float32-output GEMM (CUDA's default, forced here) against the
+    per-block bf16 products summed in float32 (a CPU's): both near the float32 step's gradient, the single GEMM no
+    further from it."""
+    from eagle_core import ttt_ops
+
+    monkeypatch.setattr(ttt_ops, "HEAD_BLOCK", 5)
+    batch = _batch(tiny_target, "right")
+    draft = _draft(tiny_target)
+    _, exact = _run(ttt_forward, draft, batch, tiny_target, steps=3)
+    errors = {}
+    for one_gemm in (True, False):
+        monkeypatch.setattr(ttt_ops, "ONE_GEMM_WEIGHT_GRAD", one_gemm)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, grads = _run(ttt_forward, draft, batch, tiny_target, steps=3)
+        g, ref = grads["lm_head.weight"], exact["lm_head.weight"]
+        assert g.dtype == torch.float32
+        errors[one_gemm] = float((g - ref).norm() / ref.norm())
+    assert errors[True] < 0.02 and errors[False] < 0.02
+    assert errors[True] <= errors[False] * 1.05, errors
 
 
 def test_step_loss_matches_its_definition_position_by_position():
@@ -296,3 +359,51 @@ def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target):
             # depth k+1 sits at position t+k+1 and is fed token x[t+k+2] (teacher forcing, as in TTT)
             hidden, new = draft(hidden, ids[:, t + k + 2:t + k + 3], torch.full((B, 1), t + k + 1), past_kv=past)
             past = tuple(torch.cat(p, dim=2) for p in zip(past, new))
+
+
+def test_a_batch_that_cannot_train_the_draft_is_refused_before_the_step_by_name(tiny_target):
+    """Features of another shape, a head of another vocabulary, ids past the vocabulary and a real row with nothing
+    to learn are refused with a message naming them; the distributed loop's dummy row (no real token) is not."""
+    from eagle_core.ttt import BadBatch, check_batch
+
+    batch = _batch(tiny_target, "right")
+    draft = _draft(tiny_target)
+    head = tiny_target.get_output_embeddings().weight
+    check_batch(draft, batch, head)
+    cases = {
+        "aux_hidden": dict(batch, aux_hidden=batch["aux_hidden"][..., :-1]),
+        "last_hidden": dict(batch, last_hidden=batch["last_hidden"][:, :-1]),
+        "loss_mask": dict(batch, loss_mask=batch["loss_mask"][:, :-1]),
+        "outside the target's vocabulary": dict(batch, input_ids=batch["input_ids"] + tiny_target.config.vocab_size),
+        "row(s) [1]": dict(batch, loss_mask=batch["loss_mask"] * torch.tensor([[1], [0]])),
+    }
+    for words, bad in cases.items():
+        with pytest.raises(BadBatch, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            check_batch(draft, bad, head)
+    with pytest.raises(BadBatch, match="lm_head"):
+        check_batch(draft, batch, head[:-1])
+    dummy = dict(batch, attention_mask=batch["attention_mask"] * torch.tensor([[1], [0]]),
+                 loss_mask=batch["loss_mask"] * torch.tensor([[1], [0]]))
+    check_batch(draft, dummy, head)
+    # train_step refuses a misfit before the optimizer moves a weight
+    cfg = TrainConfig(total_steps=1, ttt_steps=2)
+    opt = make_optimizer(draft, cfg)
+    before = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    with pytest.raises(BadBatch, match="aux_hidden"):
+        from eagle_core.ttt import train_step
+        train_step(draft, cases["aux_hidden"], head, opt, make_scheduler(opt, cfg), cfg)
+    assert all(torch.equal(p, before[n]) for n, p in draft.named_parameters())
+
+
+def test_the_training_objective_gives_a_batch_its_teacher(tiny_target):
+    """TTTObjective.teacher: the batch's target distribution under the objective's autocast (none on a CPU: the
+    float32 one, bit for bit), the batch itself untouched."""
+    from pipelines.train.model import TTTObjective
+
+    batch = _batch(tiny_target, "left")
+    draft = _draft(tiny_target)
+    head = tiny_target.get_output_embeddings().weight
+    out = TTTObjective(draft, autocast=True).teacher(batch, head)
+    p, arg = target_distribution(batch["last_hidden"], head, draft.d2t)
+    assert torch.equal(out["targets"][0], p) and torch.equal(out["targets"][1], arg)
+    assert out["input_ids"] is batch["input_ids"] and "targets" not in batch

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_core.ttt import ttt_forward
+from eagle_core.ttt import ttt_forward, with_targets
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.lineage import Lineage
 
@@ -165,8 +165,11 @@ def _copy_shared_vocab_rows(old, draft, old_head: torch.Tensor, new_head: torch.
 class TTTObjective(nn.Module):
     """`ttt_forward` as a module's forward: DDP/FSDP sync gradients only for losses computed inside it.
 
-    bf16 autocast on CUDA wraps the draft's compute; the target distribution is precomputed in float32
-    outside it (`with_targets`), and the draft's logits and losses are float32 by construction.
+    bf16 autocast on CUDA wraps the draft's compute; the draft's logits and losses are float32 by construction.
+    The target distribution of a batch: `with_targets` outside autocast gives the float32 teacher; `teacher`
+    gives it under this objective's autocast (on CUDA the draft-vocabulary soft labels from bf16 inputs and the
+    float32 argmax from a float16 screen, `eagle_core.ttt.low_precision_teacher`: a full-vocabulary float32 GEMM
+    was the largest cost of a step on an H200, issue 40).
     """
 
     def __init__(self, draft, autocast: bool):
@@ -177,6 +180,11 @@ class TTTObjective(nn.Module):
     def forward(self, *args, **kwargs):
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.autocast):
             return ttt_forward(self.draft, *args, **kwargs)
+
+    def teacher(self, batch: dict, target_lm_head_weight) -> dict:
+        """`batch` plus its target distribution, computed under this objective's autocast."""
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            return with_targets(batch, target_lm_head_weight, self.draft.d2t)
 
 
 def wrap_objective(objective: TTTObjective, strategy: str, world: int, device):
