@@ -407,3 +407,33 @@ def test_the_training_objective_gives_a_batch_its_teacher(tiny_target):
     p, arg = target_distribution(batch["last_hidden"], head, draft.d2t)
     assert torch.equal(out["targets"][0], p) and torch.equal(out["targets"][1], arg)
     assert out["input_ids"] is batch["input_ids"] and "targets" not in batch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's teacher and head-gradient paths")
+def test_the_cuda_bf16_step_takes_its_gpu_paths_and_stays_near_float32(tiny_target):
+    """On CUDA under bf16 autocast: the fp32-output GEMM exists (else `float_out_mm` falls back to a slow float32
+    one), the teacher keeps the float32 argmax, and the step's losses and head gradient stay near float32's."""
+    from eagle_core.ttt_ops import float_out_mm
+
+    a = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
+    assert torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    assert float_out_mm(a, a.t()).dtype == torch.float32
+    batch = {k: v.cuda() for k, v in _batch(tiny_target, "right").items()}
+    draft = _draft(tiny_target).cuda()
+    head = tiny_target.get_output_embeddings().weight.detach().cuda()
+    p32, arg32 = target_distribution(batch["last_hidden"], head, draft.d2t)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        p16, arg16 = target_distribution(batch["last_hidden"], head, draft.d2t)
+    assert torch.equal(arg16, arg32)
+    torch.testing.assert_close(p16, p32, rtol=3e-2, atol=1e-4)
+
+    class Target:  # _run reads the head through get_output_embeddings
+        def get_output_embeddings(self):
+            return type("Head", (), {"weight": head})
+
+    exact, exact_grads = _run(ttt_forward, draft, batch, Target(), steps=3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mixed, grads = _run(ttt_forward, draft, batch, Target(), steps=3)
+    torch.testing.assert_close(mixed.step_losses, exact.step_losses, rtol=2e-2, atol=2e-2)
+    g, ref = grads["lm_head.weight"], exact_grads["lm_head.weight"]
+    assert g.dtype == torch.float32 and float((g - ref).norm() / ref.norm()) < 0.02
