@@ -424,14 +424,14 @@ class BadBatch(ValueError):
     """A training batch that cannot train the draft; the message names what is wrong."""
 
 
-def check_batch(draft, batch: dict, target_lm_head_weight=None, empty_rows: bool = True) -> None:
+def check_batch(draft, batch: dict, target_lm_head_weight=None, contents: bool = True) -> None:
     """Refuse a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets]} that does not fit
     `draft` or holds nothing to learn: shapes that disagree with each other or with the draft (features of another
-    target or other aux layers, a head of another vocabulary), token ids outside the target's vocabulary, and
-    (`empty_rows`) a row of real tokens whose loss mask selects none that a TTT step counts. A row without real
-    tokens (attention mask all 0: the distributed loop's dummy row) is no error. Raises BadBatch naming it.
-    `train_step` checks all but empty rows on every batch (those would fail later, less clearly); a caller that
-    builds the batches checks them whole before the first step."""
+    target or other aux layers, a head of another vocabulary), and with `contents` token ids outside the target's
+    vocabulary and a row of real tokens whose loss mask selects none that a TTT step counts (a row without real
+    tokens, attention mask all 0, is the distributed loop's dummy row: no error). Raises BadBatch naming it.
+    `train_step` checks the shapes of every batch (no host sync; a misfit would fail later, less clearly); a caller
+    that builds the batches checks their contents too, before the first step."""
     cfg = draft.config
     ids = batch["input_ids"]
     if ids.dim() != 2:
@@ -453,15 +453,15 @@ def check_batch(draft, batch: dict, target_lm_head_weight=None, empty_rows: bool
             cfg.target_vocab_size, cfg.target_hidden_size):
         raise BadBatch(f"the target's lm_head is {list(target_lm_head_weight.shape)}; this draft needs "
                        f"{[cfg.target_vocab_size, cfg.target_hidden_size]} (target vocabulary x hidden)")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
-        raise BadBatch(f"input_ids hold {int(ids.min())}..{int(ids.max())}, outside the target's vocabulary "
-                       f"0..{cfg.target_vocab_size - 1}")
     targets = batch.get("targets")
     if targets is not None and tuple(targets[0].shape) != (B, L, cfg.draft_vocab_size):
         raise BadBatch(f"targets' distribution is {list(targets[0].shape)}; this draft needs "
                        f"{[B, L, cfg.draft_vocab_size]} (its draft vocabulary)")
-    if not empty_rows:
+    if not contents:
         return
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
+        raise BadBatch(f"input_ids hold {int(ids.min())}..{int(ids.max())}, outside the target's vocabulary "
+                       f"0..{cfg.target_vocab_size - 1}")
     # Step 0 counts column t when loss_mask[t+2] is set at a real column t (`step_mask`); later steps count fewer.
     attention = batch.get("attention_mask")
     real = torch.ones_like(ids, dtype=torch.float32) if attention is None else attention.float()
@@ -481,7 +481,7 @@ def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, 
     DDP/FSDP wrapper (gradient sync needs the wrapper's forward) and autocast; the step itself stays here.
     A batch that does not fit the draft is refused first (`check_batch`), before the weights move.
     """
-    check_batch(draft, batch, target_lm_head_weight, empty_rows=False)
+    check_batch(draft, batch, target_lm_head_weight, contents=False)
     draft.train()
     out = (forward or ttt_forward)(
         draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
