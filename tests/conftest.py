@@ -37,12 +37,15 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory, s3_endpoint):
     """One embedded local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md). Its
-    workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs."""
+    workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs. Its dashboard
+    (127.0.0.1, a free port; `ray_dashboard` names it) takes `ray job submit`, so the job-submission test needs no
+    second head (starting one cost two minutes of the suite)."""
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **s3_endpoint}})
+    context = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                       dashboard_port=0, log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+                       runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **s3_endpoint}})
+    ray.dashboard_address = f"http://{context.dashboard_url}"
     yield ray
     ray.shutdown()
 

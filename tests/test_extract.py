@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from eagle_core.target import load_target
 from eagle_core.capture import capture_features
 from pipelines.extract import ExtractConfig, run_extract, stream_features
 from pipelines.feature_files import committed_shards, decode_hidden, load_manifest, read_features
-from process_helpers import free_port, kill_session
+from process_helpers import kill_session
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,56 +151,35 @@ def test_killed_job_resumes_exactly_once(ray_cluster, s3_endpoint, tmp_path, tin
 
 
 @pytest.mark.slow
-def test_ray_job_submit_on_a_loopback_head(tmp_path, tiny_target_dir):
-    """`ray start --head` on 127.0.0.1, `ray job submit -- python jobs/extract.py`, SUCCEEDED, output checked."""
+def test_ray_job_submit_on_a_loopback_head(ray_cluster, tmp_path, tiny_target_dir):
+    """`ray job submit -- python jobs/extract.py` to a head on 127.0.0.1 (the session's cluster, through its
+    dashboard's job API, as a user submits to a cluster's head): SUCCEEDED, output and MLflow run checked."""
     import mlflow
 
     ray_bin = str(Path(sys.executable).parent / "ray")
-    port, dashboard = free_port(), free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     env.pop("MLFLOW_TRACKING_URI", None)  # an earlier test in this process may have exported one
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-                             "--include-dashboard=true", f"--temp-dir={temp_dir}",
-                             # the default agent port (52365) is taken by any other Ray node on the machine,
-                             # such as this session's cluster: the job agent must listen elsewhere
-                             f"--dashboard-agent-listen-port={free_port()}"],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        config = base_config(tmp_path, tiny_target_dir)
-        work = tmp_path / "work"
-        runtime_env = json.dumps({"env_vars": {"EAGLE3_WORK": str(work), "RAY_USAGE_STATS_ENABLED": "0"}})
-        cmd = _extract_cmd(config)
-        cmd[cmd.index("--mlflow-experiment") + 1] = "job-test"
-        address = f"http://127.0.0.1:{dashboard}"
-        deadline = time.time() + 300  # a second head on 2 busy cores took over 120 s once (CI, 2026-12-02)
-        while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
-                             capture_output=True).returncode != 0:
-            assert time.time() < deadline, "the head did not come up"
-            time.sleep(2)
-        while True:  # the job agent may come up a little after the dashboard answers
-            submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json",
-                                        runtime_env, "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
-            if "No available agent" not in submitted.stderr + submitted.stdout or time.time() > deadline + 120:
-                break
-            time.sleep(3)
-        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-        assert "succeeded" in (submitted.stdout + submitted.stderr).lower()  # "Job ... succeeded"
-        manifest = load_manifest(config.output)
-        assert manifest.rows == len(read_rows(config.output)) > 0
-        mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
-        run = mlflow.get_run(manifest.mlflow_run_id)
-        assert run.data.metrics["rows"] == manifest.rows and run.data.params["target"] == config.target
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_session(head.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    config = base_config(tmp_path, tiny_target_dir)
+    work = tmp_path / "work"
+    runtime_env = json.dumps({"env_vars": {"EAGLE3_WORK": str(work), "RAY_USAGE_STATS_ENABLED": "0"}})
+    cmd = _extract_cmd(config)
+    cmd[cmd.index("--mlflow-experiment") + 1] = "job-test"
+    address = ray_cluster.dashboard_address
+    deadline = time.time() + 120
+    while True:  # the job agent may come up a little after the dashboard answers
+        submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json",
+                                    runtime_env, "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in submitted.stderr + submitted.stdout or time.time() > deadline:
+            break
+        time.sleep(3)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    assert "succeeded" in (submitted.stdout + submitted.stderr).lower()  # "Job ... succeeded"
+    manifest = load_manifest(config.output)
+    assert manifest.rows == len(read_rows(config.output)) > 0
+    mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
+    run = mlflow.get_run(manifest.mlflow_run_id)
+    assert run.data.metrics["rows"] == manifest.rows and run.data.params["target"] == config.target
 
 
 @pytest.mark.slow
