@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from decode_helpers import run_engine, single_thread  # noqa: F401 (autouse fixture)
+from decode_helpers import run_engine
 from eagle_core.checkpoint import DraftTargetMismatch, load_draft
 from eagle_core.chat import prompt_ids
 from eagle_core.generate import generate
@@ -33,6 +33,26 @@ def long_prompt(gemma3):
     return prompt_ids(gemma3[1], item["messages"])
 
 
+@pytest.fixture(scope="module")
+def short_prompt(gemma3):
+    return prompt_ids(gemma3[1], [{"role": "user", "content": "Name three colours of the rainbow."}])
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3, long_prompt, short_prompt):
+    """transformers' greedy answers (NEW tokens) to the long and the short prompt, computed once for the module.
+    This module runs on all the process's threads (no `single_thread`): a 270M target's 1000-token prefills are
+    matrix work that a second core speeds up, unlike the tiny models elsewhere."""
+    model = gemma3[0]
+    return [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
+            .tolist() for p in (long_prompt, short_prompt)]
+
+
+@pytest.fixture(scope="module")
+def gemma3_draft(gemma3):
+    return load_draft(shipped_draft(GEMMA3_NAME), target=gemma3[0]).eval()
+
+
 def test_the_named_target_converts_with_its_layers_and_turn_format(gemma3):
     model, tokenizer = gemma3
     config = model.config
@@ -53,13 +73,10 @@ def test_the_shipped_draft_is_the_default_and_in_the_engines_layout(gemma3):
     assert draft.config.target_vocab_size == 262144 and draft.config.draft_vocab_size == 32000
 
 
-def test_decoding_past_the_sliding_window_equals_transformers_greedy(gemma3, long_prompt):
-    model, tokenizer = gemma3
+def test_decoding_past_the_sliding_window_equals_transformers_greedy(gemma3, long_prompt, short_prompt, reference,
+                                                                    gemma3_draft):
+    model, draft, short = gemma3[0], gemma3_draft, short_prompt
     assert len(long_prompt) > 2 * model.config.sliding_window
-    short = prompt_ids(tokenizer, [{"role": "user", "content": "Name three colours of the rainbow."}])
-    reference = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
-                 .tolist() for p in (long_prompt, short)]
-    draft = load_draft(shipped_draft(GEMMA3_NAME), target=model).eval()
     assert generate(model, [long_prompt, short], max_new_tokens=NEW).tokens == reference
     accepted = 0
     for mode, tree in (("tree", TreeConfig(8, 3, 16)), ("chain", TreeConfig.chain(3))):
@@ -69,14 +86,11 @@ def test_decoding_past_the_sliding_window_equals_transformers_greedy(gemma3, lon
     assert accepted > 0  # the draft's guesses were accepted on the long context: paths crossed the window
 
 
-def test_the_serving_engine_decodes_past_the_window_as_transformers(gemma3, long_prompt):
+def test_the_serving_engine_decodes_past_the_window_as_transformers(gemma3, long_prompt, reference, gemma3_draft):
     from pipelines.serve.engine import Engine, EngineConfig
     from eagle_core.verify import SamplingConfig
 
-    model, tokenizer = gemma3
-    reference = model.generate(torch.tensor([long_prompt]), max_new_tokens=NEW, min_new_tokens=NEW,
-                               do_sample=False)[0, len(long_prompt):].tolist()
-    draft = load_draft(shipped_draft(GEMMA3_NAME), target=model).eval()
+    (model, tokenizer), draft, reference = gemma3, gemma3_draft, reference[0]
     engine = Engine(model, tokenizer, draft, EngineConfig(TreeConfig(8, 2, 8), max_batch_size=2))
     done = run_engine(engine, [(long_prompt, NEW, SamplingConfig(), None)], timeout=300)
     tokens = done[0].token_ids
