@@ -60,7 +60,9 @@ def test_phases_add_up_to_the_rounds(models, prompts):
     summary = rounds.summarize(timer, totals, TREE, costs)
     assert summary["tau"] > 1.0
     assert summary["round_ms"]["context"] == pytest.approx(sum(summary["phases_ms"]["context"].values()))
-    assert summary["model_round_ms"] > costs["verify"]["1"]
+    # the cost model prices a round at a draft plus a verify of 2+ tokens, which its non-decreasing forward curve
+    # puts at or above its one-token step (compared with the curve, not with a raw timing that noise can invert)
+    assert summary["model_round_ms"] > summary["model_step_ms"] > 0
     meta = dict(dtype="float32", tree=str(TREE), command="python -m bench.rounds", date="today", machine="cpu",
                 target="tiny", draft="echo", prompt_set="random", prompts=len(prompts), max_new_tokens=24)
     text = rounds.markdown(dict(meta=meta, summary=summary, costs=costs))
