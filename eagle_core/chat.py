@@ -341,14 +341,22 @@ def tokenize_conversation(tokenizer, messages: list[Message], max_length: int | 
 def prompt_ids(tokenizer, messages: list[Message], tools=None) -> list[int]:
     """Token ids of `messages` followed by the assistant generation prompt (for decoding a reply)."""
     text = render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text_ids(tokenizer, text)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a text, no special tokens added. Only the ids are asked for: turning each of the other
+    per-token lists (attention mask, token types) into Python holds the GIL, ~10 ms per 300 k tokens, which a
+    server tokenising a huge body in a worker thread makes every other thread wait for."""
+    return tokenizer(text, add_special_tokens=False, return_attention_mask=False,
+                     return_token_type_ids=False)["input_ids"]
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """A prompt as token ids: text (no special tokens added), chat messages (with the generation prompt),
     or token ids already."""
     if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return text_ids(tokenizer, prompt)
     if prompt and isinstance(prompt[0], dict):
         return prompt_ids(tokenizer, prompt)
     return list(prompt)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from fastapi import Request  # a module global: the routes of `replica_app` name it in (string) annotations
 from process_helpers import free_port  # noqa: F401 (re-exported for the serve tests)
 
 API_KEY = "test-token-123"
@@ -155,3 +156,62 @@ def metric(text: str, name: str, **labels) -> float:
         if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == want:
             return float(m.group(3))
     return 0.0
+
+
+def replica_app(service):
+    """One replica's routes without Ray: `Routes` over `service` (a `Service`, or a fake with its interface),
+    wired as SpecDecodeServer wires them."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+
+    from pipelines.serve import app as serve_app
+    from pipelines.serve import protocol as P
+
+    routes = serve_app.Routes(service)
+    api = FastAPI()
+    serve_app.add_error_handlers(api)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        return await routes.generate(request, "completions", P.CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await routes.generate(request, "chat", P.ChatCompletionRequest, chat=True)
+
+    @api.get("/v1/models")
+    async def models(request: Request):
+        return await routes.models(request)
+
+    @api.get("/health")
+    async def health():
+        body = service.health_body()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @api.get("/metrics")
+    async def metrics():
+        return Response(service.metrics.exposition(), media_type="text/plain")
+
+    return api
+
+
+@contextlib.contextmanager
+def uvicorn_thread(api):
+    """Serve a FastAPI app on 127.0.0.1 (a free port) from a thread of this process; yields its URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.1)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -10,14 +10,11 @@ import sys
 import time
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from eagle_core.decoding import DecodingState
-from pipelines.serve import app as serve_app
-from pipelines.serve import protocol as P
 from pipelines.serve.config import ServeConfig
 from pipelines.serve.service import Service
+from serve_helpers import replica_app  # this script's folder (tests/) is first on sys.path
 
 
 def main() -> None:
@@ -32,17 +29,7 @@ def main() -> None:
     service = Service(ServeConfig(target=target, draft=draft, model_name="tiny", dtype="float32", device="cpu",
                                   top_k=2, depth=2, total_tokens=4, max_batch_size=4, max_context=256,
                                   max_tokens_limit=200, torch_threads=1, drain_s=drain_s))
-    routes = serve_app.Routes(service)
-    api = FastAPI()
-    serve_app.add_error_handlers(api)
-
-    @api.post("/v1/completions")
-    async def completions(request: Request):
-        return await routes.generate(request, "completions", P.CompletionRequest, chat=False)
-
-    @api.get("/health")
-    async def health():
-        return JSONResponse(service.health_body())
+    api = replica_app(service)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -13,13 +13,13 @@ import json
 import re
 
 import pytest
-from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from pipelines.serve import app as serve_app
 from pipelines.serve import protocol as P
 from pipelines.serve.config import ServeConfig
 from pipelines.serve.metrics import ServeMetrics
+from serve_helpers import replica_app
 
 MAX_BODY = 1 << 20
 GOOD = {"prompt": "Hello", "max_tokens": 4}
@@ -84,22 +84,7 @@ class FakeService:
 def fake(monkeypatch):
     service = FakeService()
     monkeypatch.setitem(serve_app._REPLICA, "metrics", service.metrics)
-    routes = serve_app.Routes(service)
-    app = FastAPI()
-    serve_app.add_error_handlers(app)  # as on the deployment's `api`
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await routes.generate(request, "completions", P.CompletionRequest, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await routes.generate(request, "chat", P.ChatCompletionRequest, chat=True)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await routes.models(request)
-
+    app = replica_app(service)  # the routes and error handlers as on the deployment's `api`
     with TestClient(app, raise_server_exceptions=False) as client:
         yield service, client
 

@@ -8,7 +8,6 @@ deadline; a request past its timeout gets 504 with an OpenAI error body and leav
 shutdown ends every request with a final event; clients never see exception text.
 """
 
-# No `from __future__ import annotations`: FastAPI must see the real `Request` type on the routes below.
 import asyncio
 import json
 import socket
@@ -18,7 +17,6 @@ import time
 import httpx
 import pytest
 import torch
-from fastapi import Request
 
 from decode_helpers import echo_draft
 from eagle_core.decoding import DecodingState
@@ -26,7 +24,7 @@ from eagle_core.target import load_target
 from eagle_core.verify import SamplingConfig
 from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest, Overloaded
 from process_helpers import free_port
-from serve_helpers import metric
+from serve_helpers import metric, replica_app, uvicorn_thread
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPT = [1, 17, 300, 42, 9, 1200, 77]
@@ -207,12 +205,6 @@ def test_close_drains_every_request_with_a_final_event(models, faults):
 
 @pytest.fixture(scope="module")
 def server(models, tiny_target_dir):
-    import uvicorn
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response
-
-    from pipelines.serve import app as serve_app
-    from pipelines.serve import protocol as P
     from pipelines.serve.config import ServeConfig
     from pipelines.serve.service import Service
 
@@ -221,36 +213,11 @@ def server(models, tiny_target_dir):
                          chain_max_batch=4, max_batch_size=4, max_waiting=4, max_context=256, max_tokens_limit=200,
                          torch_threads=1, stall_timeout_s=1.0, drain_s=1.0)
     service = Service(config)
-    routes = serve_app.Routes(service)
-    api = FastAPI()
-    serve_app.add_error_handlers(api)
-
-    @api.post("/v1/completions")  # wired as SpecDecodeServer wires them
-    async def completions(request: Request):
-        return await routes.generate(request, "completions", P.CompletionRequest, chat=False)
-
-    @api.get("/health")
-    async def health():
-        body = service.health_body()
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
-
-    @api.get("/metrics")
-    async def metrics():
-        return Response(service.metrics.exposition(), media_type="text/plain")
-
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while not uv.started:
-        assert time.time() < deadline
-        time.sleep(0.1)
-    yield url, service
-    uv.should_exit = True
-    thread.join(30)
-    service.close()
+    try:
+        with uvicorn_thread(replica_app(service)) as url:  # the routes as SpecDecodeServer wires them
+            yield url, service
+    finally:
+        service.close()
 
 
 def scrape(url: str) -> str:

@@ -134,13 +134,15 @@ class Routes:
         try:
             self.service.authorize(request.headers)
             max_bytes = self.service.config.max_body_bytes
-            req = P.parse_request(await read_body(request, max_bytes), schema, max_bytes)
+            # parsing and validating up to max_body_bytes of JSON: off the event loop, as tokenisation is
+            req = await asyncio.to_thread(P.parse_request, await read_body(request, max_bytes), schema, max_bytes)
             if req.stream:
                 outcome = {"code": 200}
                 events = await self.service.stream(req, chat, on_end=lambda code: outcome.update(code=code))
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
+                headers = {"Cache-Control": "no-cache", **self._headers(getattr(events, "draft_version", None))}
                 return EngineStreamResponse(self._stream(events, include_usage, outcome, done), events.aclose,
-                                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                            media_type="text/event-stream", headers=headers)
             body = await self._unless_disconnected(request, self.service.complete(req, chat))
         except Exception as exc:
             response = error_response(exc)
@@ -150,7 +152,15 @@ class Routes:
             done(499)
             return Response(status_code=499)
         done(200)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=self._headers((body.get("speculative") or {}).get("draft_version")))
+
+    def _headers(self, draft_version: str | None) -> dict:
+        """Which draft version decoded this request, and which replica answered (when known)."""
+        headers = {P.DRAFT_VERSION_HEADER: draft_version} if draft_version else {}
+        replica = getattr(self.service, "replica", None)
+        if replica:
+            headers[P.REPLICA_HEADER] = replica
+        return headers
 
     @staticmethod
     async def _unless_disconnected(request: Request, work):
@@ -209,6 +219,7 @@ class SpecDecodeServer:
         from pipelines.serve.service import Service
 
         self.service = Service(ServeConfig.from_dict(config), use_ray_metrics=True)
+        self.service.replica = serve.get_replica_context().replica_id.unique_id
         self.routes = Routes(self.service)
         _REPLICA["metrics"] = self.service.metrics
 

@@ -19,6 +19,10 @@ class ServeConfig:
     # ---- models --------------------------------------------------------------------------------------------
     target: str = "smollm2-135m"  # short name, HF folder, .gguf, or models:/<name>@<alias>
     draft: str | None = None  # draft folder or models:/<name>@<alias>; None = plain decoding
+    # With draft = models:/<name>@<alias>: every this many seconds each replica looks the alias up again and, when
+    # it names another version, loads that draft and decodes new requests with it (requests in flight finish on
+    # theirs), so replicas under one model name converge on one champion. 0 = resolve once, at start.
+    draft_poll_s: float = 60.0
     model_name: str = ""  # the id clients send as `model`; default: derived from target/draft
     device: str | None = None  # None = cuda when available, else cpu
     # "auto": one target copy spread over every GPU the replica holds (give it num_gpus > 1); None = "auto"
@@ -61,6 +65,8 @@ class ServeConfig:
         self.engine  # validates the tree (top_k / depth / total_tokens) and the batching fields
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
+        if self.draft_poll_s < 0:
+            raise ValueError("draft_poll_s must be >= 0 (0 = no polling)")
         if min(self.request_timeout_s, self.stall_timeout_s) <= 0 or self.drain_s < 0:
             raise ValueError("request_timeout_s and stall_timeout_s must be > 0, drain_s >= 0")
 

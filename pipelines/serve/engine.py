@@ -7,9 +7,15 @@ mode, calls `DecodingState.step(mode)`, drops finished rows (`select_rows_`) and
 tokens into per-request events. Every tensor and every decoding step lives in `eagle_core.decoding`;
 per-request bookkeeping is `eagle_core.generate.Request`.
 
-One thread runs the loop and owns every tensor. Requests with the same sampling settings share a `Lane`
-(one batch, one forward per round); different settings decode in separate lanes, one round each in turn,
-because acceptance takes one `SamplingConfig` per batch.
+One thread runs the loop and owns every tensor. Requests with the same sampling settings and the same draft
+share a `Lane` (one batch, one forward per round); different settings decode in separate lanes, one round each
+in turn, because acceptance takes one `SamplingConfig` per batch.
+
+Draft swaps (a new `@champion`, `set_draft`): a request is pinned to the engine's current draft when it is
+submitted and decodes with that draft to its end (its draft's cache was filled from its own context; moving it
+to another draft would mean prefilling that draft over the whole context again). New requests take the new
+draft at once; the old one is dropped when its last lane ends. Both are lossless: the target decides every
+token, the draft only changes how many are accepted per round.
 
 Load fallback: a wide tree costs B * (total_tokens+1) tokens of target compute per round, which stops
 being free once the batch alone fills the hardware (the known "speculation slows down at high load"
@@ -51,6 +57,17 @@ def describe_load(decoding: int, waiting: int) -> str:
     return f"{decoding} request{'' if decoding == 1 else 's'} decoding and {waiting} waiting"
 
 
+@dataclass(eq=False)
+class DraftRef:
+    """One draft the engine decodes with: the model (None = plain decoding), the version that names it in
+    responses, and its own mode chooser (which mode pays depends on the draft's acceptance, so a new draft is
+    measured afresh). Compared by identity: lanes are keyed by it."""
+
+    model: torch.nn.Module | None
+    version: str | None
+    chooser: ModeChooser | None = None
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -60,6 +77,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     cancelled: bool = False  # set by the caller (client gone); the row leaves at the next round
+    draft: DraftRef | None = None  # set by Engine.submit: the draft this request decodes with, to its end
 
 
 @dataclass
@@ -185,10 +203,10 @@ class _Row:
 
 
 class Lane:
-    """Rows that share one SamplingConfig: one `DecodingState` (row i = rows[i]), decoded together."""
+    """Rows that share one SamplingConfig and one draft: one `DecodingState` (row i = rows[i]), decoded together."""
 
-    def __init__(self, sampling: SamplingConfig):
-        self.sampling = sampling
+    def __init__(self, sampling: SamplingConfig, draft: DraftRef):
+        self.sampling, self.draft = sampling, draft
         self.rows: list[_Row] = []
         self.state: DecodingState | None = None
 
@@ -237,16 +255,13 @@ def _restorable(state: DecodingState) -> list[tuple[object, dict]]:
 class Engine:
     """Admits requests, decodes every lane round by round on one thread, reports per-request events."""
 
-    def __init__(self, target, tokenizer, draft, config: EngineConfig, metrics=None):
-        self.target, self.tokenizer, self.draft, self.config = target, tokenizer, draft, config
+    def __init__(self, target, tokenizer, draft, config: EngineConfig, metrics=None, draft_version: str | None = None):
+        self.target, self.tokenizer, self.config = target, tokenizer, config
         self.metrics = metrics
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if eos is not None else set()
         self.lanes: dict[tuple, Lane] = {}
-        # with a context chain in the tree, "context" rounds are one more mode to measure (`available_modes`)
-        self.chooser = ModeChooser(available_modes(config.tree) if draft is not None else ("plain",),
-                                   config.explore_every) \
-            if config.mode_policy == "auto" else None
+        self.current = self._draft_ref(draft, draft_version)  # what new requests decode with (`set_draft`)
         self.waiting: deque[GenerationRequest] = deque()
         self.admitting = 0  # taken from `waiting`, being prefilled: still counts against the capacity
         self.cond = threading.Condition()
@@ -259,7 +274,30 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="spec-decode-engine", daemon=True)
         self.thread.start()
 
+    def _draft_ref(self, draft, version: str | None) -> DraftRef:
+        # with a context chain in the tree, "context" rounds are one more mode to measure (`available_modes`)
+        chooser = ModeChooser(available_modes(self.config.tree) if draft is not None else ("plain",),
+                              self.config.explore_every) if self.config.mode_policy == "auto" else None
+        return DraftRef(draft, version, chooser)
+
+    @property
+    def draft(self):
+        """The draft new requests decode with (None: plain decoding)."""
+        return self.current.model
+
+    @property
+    def draft_version(self) -> str | None:
+        return self.current.version
+
     # -- called from other threads --
+    def set_draft(self, draft, version: str | None) -> None:
+        """Decode requests submitted from now on with `draft` (already validated against the target, on its
+        device). Requests already submitted keep the draft they were pinned to, to their end (module docstring)."""
+        ref = self._draft_ref(draft, version)
+        with self.cond:
+            old, self.current = self.current, ref
+        log.info("draft %s -> %s for new requests", old.version, version)
+
     @property
     def capacity(self) -> int:
         return self.config.max_batch_size + self.config.max_waiting
@@ -280,6 +318,8 @@ class Engine:
                 raise Overloaded("the server is shutting down")
             if active + len(self.waiting) >= self.capacity:
                 raise Overloaded(describe_load(active, len(self.waiting)))
+            if request.draft is None:
+                request.draft = self.current
             self.waiting.append(request)
             self.cond.notify()
 
@@ -389,41 +429,43 @@ class Engine:
     def _admit(self, requests: list[GenerationRequest]) -> None:
         groups: dict[tuple, list[GenerationRequest]] = {}
         for req in requests:
-            groups.setdefault(_lane_key(req.sampling), []).append(req)
+            groups.setdefault((req.draft, *_lane_key(req.sampling)), []).append(req)
         for key, group in groups.items():
-            rows = [_Row(r, self.eos, self.tokenizer, self.config.tree.depth if self.draft else 0) for r in group]
+            depth = self.config.tree.depth if group[0].draft.model is not None else 0
+            rows = [_Row(r, self.eos, self.tokenizer, depth) for r in group]
             self._guarded(rows, lambda: self._prefill_group(key, group, rows))
             with self.cond:
                 self.admitting -= len(group)
 
     def _prefill_group(self, key, group: list[GenerationRequest], rows: list[_Row]) -> None:
         seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(2 ** 63) for r in group]
-        state, first = DecodingState.prefill(self.target, self.draft, [r.prompt_ids for r in group],
+        draft = group[0].draft
+        state, first = DecodingState.prefill(self.target, draft.model, [r.prompt_ids for r in group],
                                              group[0].sampling, self.config.tree, seeds)
         for i, row in enumerate(rows):
             row.record(first, i)
         if self.metrics is not None:
             self.metrics.on_prefill(len(rows), sum(len(r.prompt_ids) for r in group), first.seconds)
-        lane = Lane(group[0].sampling)
+        lane = Lane(group[0].sampling, draft)
         lane.merge_(rows, state)
         self._count_cancelled(lane.drop_finished_())
         if lane.rows:
             with self.cond:
-                running = self.lanes.setdefault(key, Lane(lane.sampling))
+                running = self.lanes.setdefault(key, Lane(lane.sampling, draft))
             running.merge_(lane.rows, lane.state)
 
     def _round(self, lane: Lane) -> None:
         self._count_cancelled(lane.drop_finished_())  # cancelled rows leave before we spend compute on them
         if not lane.rows:
             return
-        b = len(lane.rows)
-        if self.chooser is not None:
-            mode = self.chooser.choose(b)
+        b, chooser = len(lane.rows), lane.draft.chooser
+        if chooser is not None:
+            mode = chooser.choose(b)
         else:
-            mode = choose_mode(b, self.config, self.draft is not None)
+            mode = choose_mode(b, self.config, lane.draft.model is not None)
         step = lane.state.step(mode)
-        if self.chooser is not None:
-            self.chooser.record(b, mode, step.committed, step.round_seconds, step.also)
+        if chooser is not None:
+            chooser.record(b, mode, step.committed, step.round_seconds, step.also)
         for i, row in enumerate(lane.rows):
             row.record(step, i)
         if self.metrics is not None:

@@ -358,6 +358,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# Response headers: the draft version that decoded the request ("7": registry version 7 of the served model;
+# "local": a draft folder; "none": plain decoding), and the Serve replica that answered.
+DRAFT_VERSION_HEADER = "x-eagle3-draft-version"
+REPLICA_HEADER = "x-eagle3-replica"
+
+
 def speculative_info(stats) -> dict:
     """The extra `speculative` field: RequestStats' numbers (definitions in pipelines/serve/metrics.py)."""
     return {"rounds": stats.rounds, "draft_rounds": len(stats.accept_lengths),

@@ -9,7 +9,9 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagle_core.chat import encode_prompt
@@ -18,11 +20,33 @@ from pipelines.serve import protocol as P
 from pipelines.serve.config import ServeConfig
 from pipelines.serve.engine import Engine, Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
-from pipelines.serve.models import load_models
+from pipelines.serve.models import load_draft_for, load_models
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
 API_KEY_FILE_ENV = "EAGLE3_SERVE_API_KEY_FILE"
+LOCAL_DRAFT = "local"  # the version label of a draft loaded from a folder or URL (no registry version)
+NO_DRAFT = "none"  # ... and of plain decoding
+
+
+def pin_draft(source: str | None) -> tuple[str | None, str | None]:
+    """(what to load, its version label): `models:/<name>@<alias>` -> `models:/<name>/<N>` (the version the alias
+    names now) and "N"; `models:/<name>/<N>` -> itself and "N"; a folder or URL -> itself and "local"."""
+    from pipelines.storage import is_registry_uri, pin_registry_uri
+
+    if not source:
+        return None, None
+    if not is_registry_uri(source):
+        return source, LOCAL_DRAFT
+    pinned = pin_registry_uri(source)
+    return pinned, pinned.rpartition("/")[2]
+
+
+def watches_alias(source: str | None) -> bool:
+    """Whether a draft source is a registry alias, which can move (a version number or a folder cannot)."""
+    from pipelines.storage import is_registry_uri
+
+    return bool(source) and is_registry_uri(source) and "@" in source
 
 
 def resolve_api_key(config: ServeConfig) -> str | None:
@@ -61,15 +85,56 @@ class Service:
         from eagle_core.target import device_map_for
 
         device_map = config.device_map if config.device_map is not None else device_map_for()
-        models = load_models(config.target, config.draft, config.device, config.dtype, device_map)
-        self.tokenizer, self.speculative = models.tokenizer, models.draft is not None
+        draft_source, version = pin_draft(config.draft)
+        models = load_models(config.target, draft_source, config.device, config.dtype, device_map)
+        self.target, self.tokenizer, self.speculative = models.target, models.tokenizer, models.draft is not None
         self.context = min(config.max_context, models.context_length)
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
         self.api_key = resolve_api_key(config)
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
-        self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics)
+        self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics,
+                             draft_version=version)
         self.created = P.now()
-        log.info("serving %s (draft: %s) with %s", config.served_name, config.draft, config.tree)
+        self.replica: str | None = None  # a Serve replica's id (set by the deployment; a response header)
+        # Chat templating and tokenisation of a body of up to max_body_bytes (~1 s for 1 MiB on a CPU core) run
+        # here, off the event loop, which meanwhile keeps handing every other stream its events (the fast
+        # tokenizers release the GIL while they encode; `text_ids` converts only the ids back to Python).
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="eagle3-tokenize")
+        self.closed = threading.Event()
+        self.watcher = None
+        if watches_alias(config.draft) and config.draft_poll_s > 0:
+            self.watcher = threading.Thread(target=self._watch_draft, name="eagle3-draft-watch", daemon=True)
+            self.watcher.start()
+        log.info("serving %s (draft: %s, version %s) with %s", config.served_name, config.draft, version,
+                 config.tree)
+
+    # ---- one champion everywhere: follow the draft's registry alias ---------------------------------------
+    def refresh_draft(self) -> bool:
+        """Look the draft's alias up again; when it names another version, load that draft (validated against the
+        target) and decode new requests with it (`Engine.set_draft`). True when the draft changed."""
+        pinned, version = pin_draft(self.config.draft)
+        if version == self.engine.draft_version:
+            return False
+        t0 = time.perf_counter()
+        draft = load_draft_for(self.target, pinned)
+        self.engine.set_draft(draft, version)
+        log.info("draft %s now serves new requests (loaded in %.1f s)", pinned, time.perf_counter() - t0)
+        return True
+
+    def _watch_draft(self) -> None:
+        """Every draft_poll_s: `refresh_draft`. A registry that does not answer, an alias that is gone or a draft
+        that does not load (or does not fit the target) leaves the current draft serving; each distinct failure
+        is logged once."""
+        last_error = None
+        while not self.closed.wait(self.config.draft_poll_s):
+            try:
+                self.refresh_draft()
+                last_error = None
+            except Exception as exc:  # noqa: BLE001 - logged; the replica keeps serving its current draft
+                if repr(exc) != last_error:
+                    log.warning("cannot follow %s; still serving draft version %s", self.config.draft,
+                                self.engine.draft_version, exc_info=exc)
+                last_error = repr(exc)
 
     # ---- checks ------------------------------------------------------------------------------------------
     def authorize(self, headers) -> None:
@@ -116,7 +181,8 @@ class Service:
     # ---- routes -------------------------------------------------------------------------------------------
     def models_body(self) -> dict:
         return {"object": "list", "data": [{"id": self.config.served_name, "object": "model",
-                                             "created": self.created, "owned_by": "eagle3-pipeline"}]}
+                                             "created": self.created, "owned_by": "eagle3-pipeline",
+                                             "draft_version": self.engine.draft_version or NO_DRAFT}]}
 
     def health_body(self) -> dict:
         """status: "ok"; "dead" (engine thread gone); "stalled" (requests pending and no progress for
@@ -125,7 +191,7 @@ class Service:
         stalled = self.engine.stalled(self.config.stall_timeout_s)
         status = "dead" if not self.engine.thread.is_alive() else "stalled" if stalled is not None else "ok"
         body = {"status": status, "model": self.config.served_name, "speculative": self.speculative,
-                "running": running, "waiting": waiting}
+                "draft_version": self.engine.draft_version or NO_DRAFT, "running": running, "waiting": waiting}
         if stalled is not None:
             body["seconds_without_progress"] = round(stalled, 1)
         return body
@@ -133,7 +199,7 @@ class Service:
     async def submit(self, req) -> tuple[GenerationRequest, asyncio.Queue, int]:
         """Validate the request against the model and queue it in the engine (ApiError 4xx / 503)."""
         self.check_model(req.model)
-        ids = self.prompt_ids(req)
+        ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.prompt_ids, req)
         max_tokens = self.max_tokens(req, len(ids))
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -180,7 +246,7 @@ class Service:
             self.metrics.on_finish(event.stats)
             build = P.chat_body if chat else P.completion_body
             return build(rid, created, self.config.served_name, "".join(parts), event.finish_reason,
-                         P.usage(prompt_len, event.stats.new_tokens), P.speculative_info(event.stats))
+                         P.usage(prompt_len, event.stats.new_tokens), speculative_info(gen, event.stats))
         raise P.ApiError(500, "generation ended without a result", type="server_error")
 
     async def stream(self, req, chat: bool, on_end=None) -> "EventStream":
@@ -209,7 +275,7 @@ class Service:
                         self.metrics.on_finish(event.stats)
                         last = chunk("", event.finish_reason)
                         last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
-                        last["speculative"] = P.speculative_info(event.stats)
+                        last["speculative"] = speculative_info(gen, event.stats)
                         yield P.sse(last)
                         if req.stream_options is not None and req.stream_options.include_usage:
                             usage_chunk = chunk("")
@@ -227,7 +293,20 @@ class Service:
 
     def close(self) -> None:
         """Graceful drain (Engine.close): every request still open ends with a final event."""
+        self.closed.set()  # the draft watch stops at its next wake-up
         self.engine.close(self.config.drain_s)
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def draft_version(gen: GenerationRequest) -> str:
+    """The version label of the draft a request decoded with ("none": plain decoding)."""
+    ref = gen.draft
+    return (ref.version or LOCAL_DRAFT) if ref is not None and ref.model is not None else NO_DRAFT
+
+
+def speculative_info(gen: GenerationRequest, stats) -> dict:
+    """The response's `speculative` field: the request's stats and the draft version that served it."""
+    return {**P.speculative_info(stats), "draft_version": draft_version(gen)}
 
 
 class EventStream:
@@ -237,6 +316,10 @@ class EventStream:
 
     def __init__(self, gen: GenerationRequest, chunks):
         self.gen, self.chunks = gen, chunks
+
+    @property
+    def draft_version(self) -> str:
+        return draft_version(self.gen)
 
     def __aiter__(self):
         return self
