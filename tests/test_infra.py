@@ -460,10 +460,11 @@ def test_mlflow_accepts_its_service_names_requires_auth_and_keeps_passwords_off_
         assert env[name]["valueFrom"]["secretKeyRef"], name
     ini = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["basic_auth.ini"]
     assert "admin_password" not in ini and not re.search(r"postgresql://[^@/]*:[^@/]*@", ini)
-    for where, pod in ray_pod_specs():  # Ray pods log in to it with a Secret's credentials
+    for where, pod in ray_pod_specs():  # Ray pods log in to it with a Secret's credentials (serving: its own)
         env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        secret = "mlflow-serve-reader" if where.startswith("rayservice.yaml") else "mlflow-client"
         for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-            assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-client", where
+            assert env[name]["valueFrom"]["secretKeyRef"]["name"] == secret, where
     policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
     assert policies["mlflow-db"]["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"app": "mlflow"}}}]
     assert policies["mlflow"]["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 5000}]
@@ -573,3 +574,57 @@ def test_training_jobs_resume_from_their_last_checkpoint_when_a_worker_fails():
     assert train.max_failures > 0 and train.resume
     _, retrain = _parsed("rayjob-retrain.yaml")
     assert TrainJobConfig(**{**retrain.train, "features": "s3://x"}).max_failures > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 42: serving only reads; Ray's token on VMs too; the base image and the target by immutable ids
+
+def test_serve_pods_read_the_registry_and_the_object_store_with_credentials_of_their_own():
+    """Training's MLflow user may move @champion (MANAGE on the model) and its S3 key writes; the Serve pods get
+    neither: a user with no grant, which the server's default_permission = READ leaves read-only, and a
+    read-only object-store Secret. Replicas follow the alias."""
+    ini = next(d for d in _mlflow()[0] if d["kind"] == "ConfigMap")["data"]["basic_auth.ini"]
+    assert re.search(r"^default_permission = READ$", ini, re.M)
+    serve_secrets, train_secrets = set(), set()
+    for where, pod in ray_pod_specs():
+        container = pod["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        names = {env[n]["valueFrom"]["secretKeyRef"]["name"]
+                 for n in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+        names |= {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
+        (serve_secrets if where.startswith("rayservice.yaml") else train_secrets).update(names)
+    assert serve_secrets == {"mlflow-serve-reader", "eagle3-s3-serve-readonly"}
+    assert not serve_secrets & train_secrets
+    assert _served_args()["draft_poll_s"] > 0 and "@champion" in _served_args()["draft"]
+
+
+def test_ray_up_starts_every_node_with_token_auth():
+    """RAY_AUTH_MODE=token with the token file that file_mounts copies to every node (Ray >= 2.52 has it)."""
+    from packaging.version import Version
+
+    config = documents(INFRA / "ray-up.yaml")[0]
+    ray_version = re.search(r"ARG RAY_VERSION=(\S+)", (INFRA / "Dockerfile").read_text()).group(1)
+    assert Version(ray_version) >= Version("2.52")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts, key
+        for command in starts:
+            env = dict(re.findall(r"\b(RAY_AUTH_\w+)=(\S+)", command))
+            assert env.get("RAY_AUTH_MODE") == "token", command
+            assert env.get("RAY_AUTH_TOKEN_PATH") in config["file_mounts"], command
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+
+
+def test_the_base_image_is_pulled_by_digest_and_the_target_by_commit():
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    base = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert base == ["rayproject/ray:${RAY_VERSION}-py311-gpu@${RAY_IMAGE_DIGEST}"]
+    default = re.search(r"^ARG RAY_IMAGE_DIGEST(=\S*)?$", dockerfile, re.M)
+    assert default, "RAY_IMAGE_DIGEST must be a build ARG"
+    # no default: every build passes one (an empty digest is refused by docker); a default must be a digest
+    assert default.group(1) is None or re.fullmatch(r"=sha256:[0-9a-f]{64}", default.group(1))
+    _, job = _models()
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert re.fullmatch(r"[0-9a-f]{40}", env["TARGET_REVISION"])  # a commit, not a branch or tag
+    assert 'revision=os.environ["TARGET_REVISION"]' in container["args"][0]
