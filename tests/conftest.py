@@ -40,14 +40,21 @@ def ray_cluster(tmp_path_factory, s3_endpoint):
     workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs. Its dashboard
     (127.0.0.1, a free port; `ray_dashboard` names it) takes `ray job submit`, so the job-submission test needs no
     second head (starting one cost two minutes of the suite)."""
+    import shutil
+    import tempfile
+
     import ray
 
+    # A short folder: Ray's unix sockets live under it and their paths must fit 107 bytes (pytest's own temporary
+    # folders under xdist, .../popen-gw1/ray0/session_.../sockets/..., do not: the dashboard then fails to start).
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     context = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-                       dashboard_port=0, log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+                       dashboard_port=0, log_to_driver=False, _temp_dir=temp_dir,
                        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **s3_endpoint}})
     ray.dashboard_address = f"http://{context.dashboard_url}"
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
