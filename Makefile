@@ -39,7 +39,7 @@ demo: $(STAMP)
 	$(PY) -m jobs.demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=40
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
