@@ -7,6 +7,12 @@ Exactly-once: shard k holds rows [k*R, (k+1)*R) of the ingested corpus in input 
 hash of its rows (ids and content), so a rerun maps the same rows to the same names and skips every shard already
 committed, and a row edited in place lands in a shard of another name, extracted anew. The manifest lists exactly
 the shards of this run's rows (training reads no others) and the corpus files by content (`corpus_files`).
+
+Streaming: the conversations never pass through the driver. Ingest leaves them in Ray's object store; the shard
+plan is cut there by one task per ingested block (`plan_shard_dataset`: each block's place in the corpus comes
+from the blocks' row counts alone), and the driver keeps only the shard names, the quarantine is streamed to its
+file a row at a time, and the manifest is summed shard by shard. The driver's memory grows with the number of
+shards (their names, as the manifest lists them), not with the rows.
 """
 
 from __future__ import annotations
@@ -92,12 +98,79 @@ def shard_name(index: int, rows: list[dict]) -> str:
     return f"shard-{index:05d}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
-def plan_shards(rows: list[dict], rows_per_shard: int) -> list[dict]:
+def plan_shards(rows: list[dict], rows_per_shard: int, first_shard: int = 0) -> list[dict]:
+    """Consecutive rows cut into shards of `rows_per_shard`, numbered from `first_shard`: {shard, rows_json}."""
     return [
-        {"shard": shard_name(k // rows_per_shard, rows[k:k + rows_per_shard]),
+        {"shard": shard_name(first_shard + k // rows_per_shard, rows[k:k + rows_per_shard]),
          "rows_json": json.dumps(rows[k:k + rows_per_shard], ensure_ascii=False)}
         for k in range(0, len(rows), rows_per_shard)
     ]
+
+
+def _plan_part(first_shard: int, rows_per_shard: int, ranges: list[tuple[int, int]], *blocks):
+    """Ray task: the shards [first_shard, ...) whose rows are `blocks[i][ranges[i]]`, concatenated, as an Arrow
+    table {shard, rows_json}, and their names. Rows are read as `Dataset.iter_rows` reads them (the same dicts,
+    so the same names and JSON as when the driver collected the whole corpus)."""
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    rows = []
+    for block, (lo, hi) in zip(blocks, ranges):
+        part = BlockAccessor.for_block(block).slice(lo, hi, copy=False)
+        rows.extend(BlockAccessor.for_block(part).iter_rows(public_row_format=True))
+    shards = plan_shards(rows, rows_per_shard, first_shard)
+    names = [s["shard"] for s in shards]
+    return pa.table({"shard": names, "rows_json": [s["rows_json"] for s in shards]}), names
+
+
+def plan_shard_dataset(rows, rows_per_shard: int):
+    """The plan of `plan_shards` for a Dataset of rows, without the rows leaving the object store: returns
+    (Dataset of {shard, rows_json} in shard order, the shard names in order).
+
+    The rows are materialised in the object store; their blocks' row counts (metadata, no data) give each block's
+    first row in the corpus, hence which shards start in it. One task per block that starts a shard cuts those
+    shards, reading the next blocks too where its last shard runs on. Each task's table stays in the object store
+    (a block's worth of rows: stored there, not in the driver); only the names come back."""
+    import ray
+
+    materialized = rows.materialize()  # held until every planning task has read its blocks
+    spans, total = [], 0  # (block ref, first row, end row within the block, first row in the corpus)
+    for bundle in materialized.iter_internal_ref_bundles():
+        for entry, cut in zip(bundle.blocks, bundle.slices):
+            lo, hi = (0, entry.metadata.num_rows) if cut is None else (cut.start_offset, cut.end_offset)
+            if hi > lo:
+                spans.append((entry.ref, lo, hi, total))
+                total += hi - lo
+    task = ray.remote(num_returns=2)(_plan_part)
+    tables, names = [], []
+    for ref, lo, hi, start in spans:
+        first, end = -(-start // rows_per_shard), -(-(start + hi - lo) // rows_per_shard)  # shards starting here
+        if first >= end:
+            continue
+        row_lo, row_hi = first * rows_per_shard, min(total, end * rows_per_shard)
+        refs, ranges = [], []
+        for ref_i, lo_i, hi_i, start_i in spans:  # the blocks that hold rows [row_lo, row_hi)
+            a, b = max(row_lo, start_i), min(row_hi, start_i + hi_i - lo_i)
+            if a < b:
+                refs.append(ref_i)
+                ranges.append((lo_i + a - start_i, lo_i + b - start_i))
+        table, part_names = task.remote(first, rows_per_shard, ranges, *refs)
+        tables.append(table)
+        names.append(part_names)
+    names = [name for part in ray.get(names) for name in part]
+    del materialized  # the tables hold the rows now
+    if not tables:
+        import pyarrow as pa
+
+        return ray.data.from_arrow(pa.table({"shard": pa.array([], pa.string()),
+                                             "rows_json": pa.array([], pa.string())})), names
+    return ray.data.from_arrow_refs(tables), names
+
+
+def _one_shard_per_block(plan):
+    """Blocks of one shard each, made as the stage asks for them (streaming), so that the actor pool spreads the
+    shards of a planning task's table over all its actors rather than handing the whole table to one."""
+    return plan.repartition(target_num_rows_per_block=1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,30 +360,38 @@ def _stages(ds, config: ExtractConfig, write: bool, fingerprint: dict | None = N
                           batch_size=1, compute=ActorPoolStrategy(size=config.num_workers), **_actor_resources(config))
 
 
-def _ingest_rows(config: ExtractConfig):
-    from pipelines.data import ingest
-
-    ingested = ingest(config.corpus, limit=config.limit)
-    return ingested, ingested.dataset.take_all()
-
-
 def stream_features(config: ExtractConfig):
     """The same stages as `run_extract`, returning the feature Dataset (rows of FEATURE_SCHEMA) unwritten."""
-    import ray
+    from pipelines.data import ingest
 
-    _, rows = _ingest_rows(config)
-    shards = plan_shards(rows, config.rows_per_shard)
-    ds = ray.data.from_items(shards, override_num_blocks=max(1, len(shards)))
-    return _stages(ds, config, write=False)
+    plan, _ = plan_shard_dataset(ingest(config.corpus, limit=config.limit).dataset, config.rows_per_shard)
+    return _stages(_one_shard_per_block(plan), config, write=False)
+
+
+def write_ingest_quarantine(config: ExtractConfig, quarantine) -> int:
+    """`quarantine/ingest.jsonl`: the quarantined rows in input order, one JSON line each, streamed from the
+    Dataset to the file as Ray hands them over (`commit_stream`: written whole or not at all, never held whole
+    in the driver's memory). Returns the number of lines."""
+    from pipelines.storage import commit_stream
+
+    count = 0
+
+    def lines():
+        nonlocal count
+        for row in quarantine.iter_rows():
+            count += 1
+            yield (json.dumps(row, ensure_ascii=False) + "\n").encode()
+
+    commit_stream(join(config.output, "quarantine", "ingest.jsonl"), lines())
+    return count
 
 
 def run_extract(config: ExtractConfig) -> FeatureManifest:
     """Run (or resume) an extraction; returns the manifest (also written to `<output>/manifest.json`)."""
-    import ray
     from transformers import AutoConfig
 
     from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids
-    from pipelines.data import corpus_fingerprint
+    from pipelines.data import corpus_fingerprint, ingest
 
     started = time.perf_counter()
     folder = materialize_hf_folder(config.target)  # resolved once: a hub id or a URL is not fetched again
@@ -319,23 +400,28 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     fingerprint = extraction_fingerprint(config, folder, target_config, device)
     prepare_output(config, fingerprint)  # refuses an output made differently (or empties it: overwrite)
     corpus_files = corpus_fingerprint(config.corpus)  # the corpus by content, recorded in the manifest
-    ingested, rows = _ingest_rows(config)
+    ingested = ingest(config.corpus, limit=config.limit)  # rows stay in the object store
     print(f"[extract] {ingested.stats.summary()}", flush=True)
     if ingested.stats.quarantined:
-        quarantine_lines = [json.dumps(q, ensure_ascii=False) for q in ingested.quarantine.take_all()]
-        commit_bytes(join(config.output, "quarantine", "ingest.jsonl"), ("\n".join(quarantine_lines) + "\n").encode())
-    shards = plan_shards(rows, config.rows_per_shard)
-    reused = reuse_shards(config, [s["shard"] for s in shards], fingerprint)
+        write_ingest_quarantine(config, ingested.quarantine)
+    plan, names = plan_shard_dataset(ingested.dataset, config.rows_per_shard)
+    stats = ingested.stats
+    del ingested  # the plan holds the rows now: release the ingested copy from the object store
+    reused = reuse_shards(config, names, fingerprint)
     done = committed_shards(config.output)
-    todo = [s for s in shards if s["shard"] not in done]
-    print(f"[extract] {len(shards)} shards of <= {config.rows_per_shard} rows: {len(shards) - len(todo)} already "
-          f"committed, {len(todo)} to do", flush=True)
+    todo = sum(name not in done for name in names)
+    print(f"[extract] {len(names)} shards of <= {config.rows_per_shard} rows: {len(names) - todo} already "
+          f"committed, {todo} to do", flush=True)
     if todo:
+        from ray.data.expressions import col
+
         from pipelines.console import progress
 
-        ds = ray.data.from_items(todo, override_num_blocks=len(todo))
+        if done:  # committed shards are skipped before their rows reach an actor
+            plan = plan.filter(expr=col("shard").not_in(sorted(done & set(names))))
+        ds = _one_shard_per_block(plan)
         rows_done = tokens_done = 0
-        with progress(total=len(todo), desc="[extract] shards", unit="shard") as bar:
+        with progress(total=todo, desc="[extract] shards", unit="shard") as bar:
             for item in _stages(ds, config, write=True, fingerprint=fingerprint).iter_rows():  # committed by its actor
                 summary = json.loads(item["summary_json"])
                 rows_done, tokens_done = rows_done + summary["rows"], tokens_done + summary["tokens"]
@@ -344,8 +430,8 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
                 bar.update(1)
 
     aux_layer_ids = resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)
-    manifest = build_manifest(config, [s["shard"] for s in shards], target_config, aux_layer_ids,
-                              ingested.stats.to_dict(), fingerprint["target_weights_hash"])
+    manifest = build_manifest(config, names, target_config, aux_layer_ids, stats.to_dict(),
+                              fingerprint["target_weights_hash"])
     manifest.fingerprint = fingerprint
     manifest.corpus_files = corpus_files
     manifest.seconds = time.perf_counter() - started
@@ -358,15 +444,22 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
 
 def build_manifest(config: ExtractConfig, shard_names: list[str], target_config, aux_layer_ids, ingest_stats: dict,
                    weights_hash: str) -> FeatureManifest:
-    summaries = [read_shard_summary(join(config.output, "features", f"{s}.parquet")) for s in shard_names]
+    """The manifest of `shard_names`, summed one shard summary at a time (a summary's per-shard token counts and
+    quarantined ids are dropped once added in: the driver keeps a row and token count per shard)."""
     fs, _ = url_to_fs(config.output)
-    sizes = [fs.size(url_to_fs(join(config.output, "features", f"{s}.parquet"))[1]) for s in shard_names]
     token_counts, quarantined = Counter(), Counter()
-    for s in summaries:
-        token_counts.update({int(k): v for k, v in s["token_counts"].items()})
-        quarantined.update(s["quarantined"])
-    tokens = sum(s["tokens"] for s in summaries)
-    dtype = summaries[0]["dtype"] if summaries else "float32"
+    entries, size, rows, loss_tokens, dtype = [], 0, 0, 0, None
+    for name in shard_names:
+        url = join(config.output, "features", f"{name}.parquet")
+        summary = read_shard_summary(url)
+        size += fs.size(url_to_fs(url)[1])
+        token_counts.update({int(k): v for k, v in summary["token_counts"].items()})
+        quarantined.update(summary["quarantined"])
+        entries.append(ShardEntry(name=name, rows=summary["rows"], tokens=summary["tokens"]))
+        rows, loss_tokens = rows + summary["rows"], loss_tokens + summary["loss_tokens"]
+        dtype = dtype or summary["dtype"]
+    tokens = sum(e.tokens for e in entries)
+    dtype = dtype or "float32"
     hidden = target_config.hidden_size
     element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     return FeatureManifest(
@@ -378,10 +471,10 @@ def build_manifest(config: ExtractConfig, shard_names: list[str], target_config,
                                                     "temperature": config.temperature, "seed": config.seed,
                                                     "with": config.regenerate_with},
         corpus=config.corpus, limit=config.limit,
-        rows=sum(s["rows"] for s in summaries), tokens=tokens, loss_tokens=sum(s["loss_tokens"] for s in summaries),
+        rows=rows, tokens=tokens, loss_tokens=loss_tokens,
         ingest=ingest_stats, quarantined_by_reason=dict(quarantined),
-        bytes=sum(sizes), bytes_per_token=sum(sizes) / max(tokens, 1), min_bytes_per_token=4 * hidden * element,
-        shards=[ShardEntry(name=s, rows=m["rows"], tokens=m["tokens"]) for s, m in zip(shard_names, summaries)],
+        bytes=size, bytes_per_token=size / max(tokens, 1), min_bytes_per_token=4 * hidden * element,
+        shards=entries,
         token_counts=dict(sorted(token_counts.items())),
         feature_schema={f.name: str(f.type) for f in FEATURE_SCHEMA},
         config=config.to_dict(),

@@ -4,7 +4,9 @@
 - `commit_bytes` (and `commit_json`) is how every JSON, manifest and shard is written, so that no reader sees
   half of one: on a local filesystem it writes a temporary file, fsyncs it and renames it (a failed write removes
   the temporary file); an object store has no rename (s3fs's `mv` is copy + delete), but a single PUT is atomic
-  (the object appears whole or not at all), so it is one `pipe`.
+  (the object appears whole or not at all), so it is one `pipe`. `commit_stream` does the same for a file
+  written chunk by chunk (never whole in memory): locally the same temporary file and rename, on an object
+  store a multipart upload that only a completed close makes visible (a failure aborts it).
 - `upload_folder` copies a local folder to a URL: to a temporary sibling first, swapped in after.
 - `arrow_filesystem` hands Ray Data and Ray Train the same filesystem fsspec resolved, endpoint and credentials
   included (pyarrow's own S3 resolution ignores `AWS_ENDPOINT_URL`, s3fs honours it): what the pipeline writes
@@ -58,13 +60,44 @@ def commit_bytes(url: str, data: bytes) -> None:
     if is_remote(url):
         fs.pipe_file(path, data)  # one PUT: atomic on object stores
         return
-    path = local_path(url)
+    _commit_local(local_path(url), [data])
+
+
+def commit_stream(url: str, chunks) -> int:
+    """Write a whole file from an iterable of byte chunks, holding one chunk at a time; returns the bytes
+    written. As with `commit_bytes`, no reader sees part of it: locally the chunks go to a fsynced temporary
+    file renamed over the destination (removed on any failure); on an object store they go to one streamed
+    upload (multipart on S3), which only its completion on close makes visible, and a failure discards it."""
+    if not is_remote(url):
+        return _commit_local(local_path(url), chunks)
+    fs, path = url_to_fs(url)
+    f = fs.open(path, "wb")
+    written = 0
+    try:
+        for chunk in chunks:
+            written += f.write(chunk) or len(chunk)
+    except BaseException:  # no partial object: an unfinished upload is aborted, never completed
+        discard = getattr(f, "discard", None)
+        if discard is not None:
+            discard()
+        # Marked closed, or the file's finaliser would close it, i.e. complete the upload of what it holds.
+        with contextlib.suppress(AttributeError):
+            f.closed = True
+        raise
+    f.close()
+    return written
+
+
+def _commit_local(path: str, chunks) -> int:
+    """The local half of `commit_bytes` / `commit_stream`: temporary file, fsync, rename, folder fsync."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    written = 0
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                written += f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -73,6 +106,7 @@ def commit_bytes(url: str, data: bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_folder(folder)
+    return written
 
 
 def commit_json(url: str, data, **dump_args) -> None:
