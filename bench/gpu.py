@@ -51,7 +51,8 @@ from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.kv import TargetKV, _cache_kwarg
 from eagle_core.target import default_aux_layer_ids
 from eagle_core.capture import capture_features
-from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, ttt_forward, with_targets
+from eagle_core.teacher import with_targets
+from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, ttt_forward
 from eagle_core.verify import SamplingConfig
 
 NEEDS_CUDA = ("bench.gpu: needs a CUDA GPU (torch.cuda.is_available() is False); "

@@ -17,7 +17,7 @@ by another's. Peak memory is the process's peak RSS minus its RSS just before th
 allocation on CUDA. Results: bench/results/ttt.json and its table ttt.md (`--out` elsewhere); every finished run is
 written at once, and a run that fails (out of memory under `--mem-limit-gib`, past `--timeout`) is recorded as such.
 
-Implementations: "ours" = `eagle_core.ttt.ttt_forward`; "naive" = `ttt_forward_naive` (the full (K*L)^2 mask);
+Implementations: "ours" = `eagle_core.ttt.ttt_forward`; "naive" = `eagle_core.ttt_naive.ttt_forward_naive` (the full (K*L)^2 mask);
 "specforge" = SpecForge's own `OnlineEagle3Model` (specforge/algorithms/eagle3/model.py) with its draft
 `LlamaForCausalLMEagle3` (specforge/modeling/draft/llama3_eagle.py), attention backend "sdpa" ("specforge-flex":
 its "flex_attention" backend, which needs CUDA: torch has no FlexAttention backward on a CPU), TTT length = our
@@ -68,7 +68,8 @@ from bench.common import (RESULTS, ROOT, add_draft_training_args, command, machi
                           write_markdown)
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.target import cpu_has_native_bf16, default_device
-from eagle_core.ttt import TrainConfig, make_optimizer, shift_tokens, ttt_forward, ttt_forward_naive
+from eagle_core.ttt import TrainConfig, make_optimizer, shift_tokens, ttt_forward
+from eagle_core.ttt_naive import ttt_forward_naive
 
 TTT_FORWARDS = {"ours": ttt_forward, "naive": ttt_forward_naive}
 # SpecForge's step with each of its attention backends that runs on one device without flash-attn: "specforge" =
@@ -867,7 +868,7 @@ LM_HEAD_VARIANTS = {
 def lm_head_data(n_train: int, n_eval: int, max_length: int, draft_vocab_size: int):
     """(target, train batches, held-out batches, lm_head, d2t, t2d); batches carry the target's distribution."""
     from eagle_core.target import load_target
-    from eagle_core.ttt import with_targets
+    from eagle_core.teacher import with_targets
     from eagle_core.vocab import TokenCounter, build_vocab_mapping
 
     model, tokenizer = load_target("smollm2-135m", device="cpu", dtype=torch.float32)

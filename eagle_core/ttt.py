@@ -12,7 +12,8 @@ keys that column t itself produced at steps 1..k (diagonal blocks). So step k ne
 [L, L] block and k per-column dot products; the (K*L)^2 mask of the naive formulation never exists. That attention
 and the draft head's loss run as blocked autograd functions (`eagle_core.ttt_ops`) that keep no [L, L] or
 [L, draft vocab] tensor for the backward.
-`ttt_forward_naive` is that naive formulation, kept as the executable definition for tests and benchmarks.
+`eagle_core.ttt_naive.ttt_forward_naive` is that naive formulation, kept as the executable definition for tests and
+benchmarks.
 
 Loss = sum_k 0.8**k * mean over masked positions of soft cross-entropy(target, draft). Positions whose
 target token is outside the draft vocab still count (the draft is penalised for not covering it).
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 
 from eagle_core.draft import Eagle3Draft, repeat_kv
 from eagle_core.recipe import REFERENCE
-from eagle_core.ttt_ops import compute_dtype, float_out_mm, soft_cross_entropy, ttt_attention
-from eagle_core.vocab import draft_ids_from_mapping
+from eagle_core.teacher import target_distribution
+from eagle_core.ttt_ops import compute_dtype, soft_cross_entropy, ttt_attention
+
 
 NOISE_KINDS = ("none", "uniform", "gaussian")
 
@@ -83,89 +85,6 @@ def simulated_accept_length(step_accuracies) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
-# target side (no gradient)
-
-
-TARGET_BLOCK = 512  # rows of the target's head at a time: [rows, target vocab] logits, 100 MB at 49k float32
-# On CUDA under autocast, the target's argmax is screened in float16 and re-checked in float32 among the
-# ARGMAX_CANDIDATES highest float16 logits (a row where those may miss it: the whole row in float32).
-ARGMAX_CANDIDATES = 8
-
-
-@torch.no_grad()
-def target_distribution(last_hidden, target_lm_head_weight, d2t):
-    """The target's softmax over the draft vocab (renormalised) and its full-vocab argmax.
-
-    last_hidden: [B, L, Ht] (after the target's final norm); target_lm_head_weight: [V, Ht]
-    returns target_p [B, L, Vd] float32 and target_argmax [B, L] (target ids)
-    Computed a block of rows at a time, so no [B, L, V] logits tensor exists at long L.
-    A float32 head on CUDA under a bf16/fp16 autocast takes `low_precision_teacher` (a full-vocab float32 GEMM
-    is ~15x slower there than a half-precision one); on a CPU it is no faster (measured: 2.7 against 2.3 CPU
-    seconds for the SmolLM2 shape at 2 048 tokens), so the CPU keeps the float32 one.
-    """
-    w = target_lm_head_weight
-    device = w.device.type
-    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
-    if device == "cuda" and w.dtype == torch.float32 and low in (torch.bfloat16, torch.float16):
-        return low_precision_teacher(last_hidden, w, d2t, low)
-    hidden = last_hidden.to(w.device, w.dtype).flatten(0, 1)
-    rows = draft_ids_from_mapping(d2t).to(w.device)
-    # Softmax restricted to a subset and renormalised == softmax of that subset's logits, in float32 whatever the
-    # caller's autocast. The argmax is over the head's own dtype; a float32 head gives both from one product.
-    w_rows = None if w.dtype == torch.float32 else w[rows].float()
-    p_blocks, arg_blocks = [], []
-    with torch.autocast(device_type=w.device.type, enabled=False):
-        for h in hidden.split(TARGET_BLOCK):
-            logits = F.linear(h, w)
-            arg_blocks.append(logits.argmax(-1))
-            p_blocks.append(torch.softmax(logits[:, rows] if w_rows is None else F.linear(h.float(), w_rows), dim=-1))
-    shape = last_hidden.shape[:2]
-    return torch.cat(p_blocks).view(*shape, -1), torch.cat(arg_blocks).view(shape)
-
-
-@torch.no_grad()
-def low_precision_teacher(last_hidden, w, d2t, low=torch.bfloat16):
-    """`target_distribution` for a float32 head `w` under a `low` (bf16/fp16) autocast.
-
-    Soft labels: the draft-vocab rows only, inputs rounded to `low`, float32 products and softmax (rounding the
-    inputs moves a probability by ~1 %: what training in `low` accepts everywhere else).
-    Argmax over the full vocabulary, equal to the float32 one: a float16 screen (10 mantissa bits: on SmolLM2's
-    real features its rounding bound below ruled out all but the top 8 logits in 99.6 % of rows; bf16's did in
-    27 %), then the float32 logits of its ARGMAX_CANDIDATES highest. |fp16 logit - float32 logit| <= delta =
-    (2.5u + n 2^-23) ||h|| max_v ||w_v|| (the inputs' rounding, Cauchy-Schwarz, the float32 accumulation)
-    + 2^-25 (||h||_1 + max_v ||w_v||_1) (subnormals) + 2u |logit| (the output's rounding), u = 2^-11. Where the
-    lowest candidate plus its delta stays below the highest minus its delta, no other logit can be the largest;
-    other rows (and any that overflow float16) are recomputed whole in float32 after all blocks (one host sync).
-    """
-    hidden = last_hidden.to(w.device).flatten(0, 1).float()
-    rows = draft_ids_from_mapping(d2t).to(w.device)
-    screen = torch.float16
-    u = torch.finfo(screen).eps / 2
-    w_norm, w_l1 = w.norm(dim=-1).max(), w.abs().sum(-1).max()
-    p_blocks, arg_blocks, sure_blocks = [], [], []
-    with torch.autocast(device_type=w.device.type, enabled=False):
-        w_screen = w.to(screen)  # once per call
-        w_rows = w[rows].to(low).t()  # [Ht, Vd]
-        c = min(ARGMAX_CANDIDATES, w.shape[0])
-        for h in hidden.split(TARGET_BLOCK):
-            p_blocks.append(torch.softmax(float_out_mm(h.to(low), w_rows), dim=-1))
-            top = F.linear(h.to(screen), w_screen).topk(c, dim=-1)  # [n, c], highest first
-            values = top.values.float()
-            bound = ((2.5 * u + h.shape[1] * 2.0 ** -23) * h.norm(dim=-1, keepdim=True) * w_norm
-                     + 2.0 ** -25 * (h.abs().sum(-1, keepdim=True) + w_l1) + 2 * u * values.abs())
-            # highest possible true logit of any non-candidate < lowest possible true logit of the top candidate
-            sure = (values[:, -1] + bound[:, -1]) < (values[:, 0] - bound[:, 0])
-            sure_blocks.append(sure & values.isfinite().all(-1))
-            exact = torch.bmm(w[top.indices], h[:, :, None])[..., 0]  # [n, c] float32
-            arg_blocks.append(top.indices.gather(1, exact.argmax(-1, keepdim=True))[:, 0])
-        argmax, sure = torch.cat(arg_blocks), torch.cat(sure_blocks)
-        if not bool(sure.all()):
-            unsure = (~sure).nonzero()[:, 0]
-            argmax[unsure] = torch.cat([F.linear(h, w).argmax(-1) for h in hidden[unsure].split(TARGET_BLOCK)])
-    shape = last_hidden.shape[:2]
-    return torch.cat(p_blocks).view(*shape, -1), argmax.view(shape)
-
-
 def positions_from_mask(attention_mask):
     # attention_mask: [B, L] (1 = real token) -> rotary positions [B, L] that skip left padding
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -247,7 +166,7 @@ def ttt_forward(
         # Logits are materialised only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         logits = draft.compute_logits(hidden) if return_logits else None
         results.append((logits, *step_head_loss(draft, hidden, k, target_p, target_argmax, counted[k], head_low)))
-    return _collect(results, step_decay, return_logits, step_denominators)
+    return collect_steps(results, step_decay, return_logits, step_denominators)
 
 
 def counted_rows(loss_mask, column_mask, steps: int) -> list[tuple]:
@@ -300,7 +219,7 @@ def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=
     return (ce * mask).sum(), (hits * mask).sum(), mask.sum()
 
 
-def _collect(results, step_decay, return_logits, step_denominators=None) -> TTTOutput:
+def collect_steps(results, step_decay, return_logits, step_denominators=None) -> TTTOutput:
     losses, accs, counts, total = [], [], [], 0.0
     for k, (_, loss_sum, hits, count) in enumerate(results):
         denom = count.clamp(min=1) if step_denominators is None else step_denominators[k].to(count)
@@ -320,50 +239,6 @@ def _collect(results, step_decay, return_logits, step_denominators=None) -> TTTO
 
 # ---------------------------------------------------------------------------------------------------
 # naive reference: rebuild every step's whole input sequence and attend with an explicit mask
-
-
-def naive_ttt_mask(attention_mask, steps: int):
-    """bool [B, 1, steps*L, steps*L] over the flattened (step, column) sequence; the definition of TTT attention."""
-    B, L = attention_mask.shape
-    mask0 = step0_key_mask(attention_mask)[:, 0]  # [B, L, L]
-    eye = torch.eye(L, dtype=torch.bool, device=attention_mask.device)
-    full = torch.zeros(B, steps * L, steps * L, dtype=torch.bool, device=attention_mask.device)
-    for j in range(steps):  # query step
-        rows = slice(j * L, (j + 1) * L)
-        full[:, rows, :L] = mask0
-        for i in range(1, j + 1):  # own column at earlier (and the same) steps
-            full[:, rows, i * L:(i + 1) * L] = eye
-    return full[:, None]
-
-
-def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidden, target_lm_head_weight,
-                      attention_mask=None, ttt_steps=None, step_decay=0.8, return_logits=False) -> TTTOutput:
-    """Same contract as `ttt_forward`, computed the slow and obvious way: O((K*L)^2) attention.
-
-    The loss itself is `step_loss`, checked position by position against its definition in the tests.
-    """
-    K = ttt_steps or draft.config.ttt_steps
-    B, L = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    target_p, target_argmax = target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
-    loss_mask = loss_mask.float() * attention_mask.float()  # float32: counts stay exact
-    positions = positions_from_mask(attention_mask)
-
-    hiddens = [draft.fuse(aux_hidden)]  # step j's input hidden, [B, L, H] each
-    results = []
-    for k in range(K):
-        seq_hidden = torch.cat(hiddens, dim=1)  # [B, (k+1)L, H]
-        seq_ids = torch.cat([shift_tokens(input_ids, j + 1) for j in range(k + 1)], dim=1)
-        seq_pos = torch.cat([positions + j for j in range(k + 1)], dim=1)
-        out, _ = draft(seq_hidden, seq_ids, seq_pos, attention_mask=naive_ttt_mask(attention_mask, k + 1))
-        hidden = out[:, k * L:]
-        hiddens.append(hidden)
-        logits = draft.compute_logits(hidden)
-        # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
-        results.append((logits if return_logits else None,
-                        *step_loss(draft, logits, k, target_p, target_argmax, loss_mask, attention_mask)))
-    return _collect(results, step_decay, return_logits)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,11 +288,6 @@ def batch_to(batch: dict, device) -> dict:
             return v.to(device)
         return tuple(move(x) for x in v) if isinstance(v, tuple) else v
     return {k: move(v) for k, v in batch.items()}
-
-
-def with_targets(batch: dict, target_lm_head_weight, d2t) -> dict:
-    """The batch plus its precomputed target distribution (worth it when a batch is trained on repeatedly)."""
-    return {**batch, "targets": target_distribution(batch["last_hidden"], target_lm_head_weight, d2t)}
 
 
 class BadBatch(ValueError):

@@ -12,7 +12,7 @@ linear in what flows back: one scalar). Plain autograd keeps each step's [L, dra
 (262 MB per step at 2048 tokens and 32k rows) and computes the head for rows that never count.
 
 Both compute in their inputs' dtype (bf16 under autocast, as the layers around them) with float32 softmax
-statistics, and are checked against the plain formulation (`eagle_core.ttt.ttt_forward_naive`, `step_loss`) on
+statistics, and are checked against the plain formulation (`eagle_core.ttt_naive.ttt_forward_naive`, `step_loss`) on
 losses and gradients in tests/test_ttt.py.
 """
 

@@ -232,7 +232,8 @@ def _fsdp_rank(rank: int, world: int, out: str) -> None:
 
     from eagle_core.draft import Eagle3Draft
     from eagle_core.target import make_tiny_llama
-    from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, with_targets
+    from eagle_core.teacher import with_targets
+    from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step
     from pipelines.train import TTTObjective, all_reduce, full_state, step_counts, wrap_objective
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + world))
@@ -308,7 +309,8 @@ def _tiny_draft_and_batch(ttt_steps: int = 3):
 @pytest.mark.parametrize("decay", [0.5, 1.0])
 def test_heldout_loss_weights_ttt_steps_by_the_configured_decay(decay):
     """eval_loss is the training objective on held-out rows: step k weighs step_decay**k (not a fixed 0.8**k)."""
-    from eagle_core.ttt import ttt_forward, with_targets
+    from eagle_core.teacher import with_targets
+    from eagle_core.ttt import ttt_forward
     from pipelines.train import TTTObjective, evaluate
 
     draft, batch, head = _tiny_draft_and_batch()

@@ -6,9 +6,11 @@ import torch.nn.functional as F
 
 from eagle_core.draft import Eagle3Draft
 from eagle_core.capture import capture_features
+from eagle_core.teacher import target_distribution, with_targets
 from eagle_core.ttt import (HiddenNoise, TrainConfig, load_train_state, make_optimizer, make_scheduler,
-                            simulated_accept_length, step_loss, target_distribution, train_draft_steps,
-                            train_state_dict, ttt_forward, ttt_forward_naive, warmup_cosine, with_targets)
+                            simulated_accept_length, step_loss, train_draft_steps, train_state_dict, ttt_forward,
+                            warmup_cosine)
+from eagle_core.ttt_naive import ttt_forward_naive
 from eagle_core.vocab import build_vocab_mapping
 
 B, L = 2, 12
@@ -125,13 +127,13 @@ def test_low_precision_teacher_has_the_float32_argmax_and_close_labels(tiny_targ
     """The CUDA teacher under bf16 autocast: soft labels from bf16 inputs (close to float32's), and the argmax equal
     to float32's, through the float16 screen and its candidates (8) or with every row re-checked whole (1: no row
     can be sure from one candidate)."""
-    from eagle_core import ttt
+    from eagle_core import teacher
 
-    monkeypatch.setattr(ttt, "ARGMAX_CANDIDATES", candidates)
-    monkeypatch.setattr(ttt, "TARGET_BLOCK", 64)  # several blocks, the last one short
+    monkeypatch.setattr(teacher, "ARGMAX_CANDIDATES", candidates)
+    monkeypatch.setattr(teacher, "TARGET_BLOCK", 64)  # several blocks, the last one short
     hidden, head, d2t = _teacher_inputs(tiny_target)
     p32, arg32 = target_distribution(hidden, head, d2t)
-    p, arg = ttt.low_precision_teacher(hidden, head, d2t, torch.bfloat16)
+    p, arg = teacher.low_precision_teacher(hidden, head, d2t, torch.bfloat16)
     assert p.dtype == torch.float32 and torch.equal(arg, arg32)
     torch.testing.assert_close(p, p32, rtol=3e-2, atol=1e-4)
     torch.testing.assert_close(p.sum(-1), torch.ones_like(p[..., 0]))
@@ -140,7 +142,7 @@ def test_low_precision_teacher_has_the_float32_argmax_and_close_labels(tiny_targ
 def test_low_precision_teacher_settles_near_ties_in_float32(tiny_target):
     """Rows whose two best target logits differ by less than float16 can resolve: the head holds, for each row's
     float32 winner, a copy nudged 1e-6 higher in that row's direction. Only the float32 re-check sees which wins."""
-    from eagle_core import ttt
+    from eagle_core import teacher
 
     hidden, head, d2t = _teacher_inputs(tiny_target, length=40)
     h = hidden.flatten(0, 1)
@@ -149,7 +151,7 @@ def test_low_precision_teacher_settles_near_ties_in_float32(tiny_target):
     head2 = torch.cat([head, twins])
     _, arg32 = target_distribution(hidden, head2, d2t)
     assert (arg32.flatten() >= head.shape[0]).all()  # the twins win in float32
-    _, arg = ttt.low_precision_teacher(hidden, head2, d2t, torch.bfloat16)
+    _, arg = teacher.low_precision_teacher(hidden, head2, d2t, torch.bfloat16)
     assert torch.equal(arg, arg32)
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from eagle_core.draft import Eagle3Draft
-from eagle_core.ttt import TrainConfig, train_draft_steps, ttt_forward, with_targets
+from eagle_core.teacher import with_targets
+from eagle_core.ttt import TrainConfig, train_draft_steps, ttt_forward
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
 
 N_CONVERSATIONS, MAX_LENGTH, TTT_STEPS, DRAFT_VOCAB, STEPS = 6, 112, 2, 512, 200

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, with_targets
+from eagle_core.teacher import with_targets
+from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step
 from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row, step_counts
 from pipelines.train.checkpoint import full_state, is_sharded, restore_state, restore_trainer, save_checkpoint
 from pipelines.train.collectives import all_reduce, world_info

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle_core.ttt import simulated_accept_length, with_targets
+from eagle_core.teacher import with_targets
+from eagle_core.ttt import simulated_accept_length
 from pipelines.train.collectives import all_reduce
 
 

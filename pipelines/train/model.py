@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_core.ttt import ttt_forward, with_targets
+from eagle_core.teacher import with_targets
+from eagle_core.ttt import ttt_forward
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.lineage import Lineage
 
@@ -168,7 +169,7 @@ class TTTObjective(nn.Module):
     bf16 autocast on CUDA wraps the draft's compute; the draft's logits and losses are float32 by construction.
     The target distribution of a batch: `with_targets` outside autocast gives the float32 teacher; `teacher`
     gives it under this objective's autocast (on CUDA the draft-vocabulary soft labels from bf16 inputs and the
-    float32 argmax from a float16 screen, `eagle_core.ttt.low_precision_teacher`: a full-vocabulary float32 GEMM
+    float32 argmax from a float16 screen, `eagle_core.teacher.low_precision_teacher`: a full-vocabulary float32 GEMM
     was the largest cost of a step on an H200, issue 40).
     """
 
