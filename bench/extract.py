@@ -43,7 +43,8 @@ def plain_loop(rows, config) -> tuple[float, int, int]:
 def ray_pipeline(rows, config) -> tuple[float, dict]:
     import ray
 
-    from pipelines.extract import _stages, plan_shards
+    from pipelines.extract import _stages
+    from pipelines.shard_plan import plan_shards
     from pipelines.feature_files import read_shard_summary
 
     shards = plan_shards(rows, config.rows_per_shard)

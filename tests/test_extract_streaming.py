@@ -10,7 +10,8 @@ import fsspec
 import pytest
 from ray.data import Dataset
 
-from pipelines.extract import ExtractConfig, plan_shard_dataset, plan_shards, run_extract
+from pipelines.extract import ExtractConfig, run_extract
+from pipelines.shard_plan import plan_shard_dataset, plan_shards
 from pipelines.storage import commit_stream
 
 
