@@ -350,6 +350,15 @@ def file_sha256(path: str | os.PathLike) -> str:
     return cached_sha256([str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino], lambda: open(path, "rb"))
 
 
+def stream_sha256(open_file) -> str:
+    """The SHA-256 of the bytes `open_file()` reads, 8 MiB at a time."""
+    h = hashlib.sha256()
+    with open_file() as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def cached_sha256(key: list, open_file) -> str:
     """The SHA-256 of the bytes `open_file()` reads, cached under `EAGLE3_CACHE/sha256/` by `key` (JSON values that
     change whenever the bytes do). A cache entry is written whole (a temporary file, then a rename); an unreadable
@@ -363,11 +372,7 @@ def cached_sha256(key: list, open_file) -> str:
             return cached["sha256"]
     except (OSError, ValueError, AttributeError):
         pass  # absent or unreadable: hash the bytes again
-    h = hashlib.sha256()
-    with open_file() as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = stream_sha256(open_file)
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)

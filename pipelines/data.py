@@ -228,17 +228,12 @@ def corpus_fingerprint(url: str | None) -> list[dict]:
 def _object_sha256(fs, path: str, key: list) -> str:
     """The SHA-256 of an object's content, cached by `key` (URL, size, version) when the store gives a version;
     without one it is read every time."""
-    import hashlib
+    from eagle_core.target import cached_sha256, stream_sha256
 
-    from eagle_core.target import cached_sha256
+    def read():
+        return fs.open(path, "rb")
 
-    if key[-1]:
-        return cached_sha256(key, lambda: fs.open(path, "rb"))
-    h = hashlib.sha256()
-    with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return cached_sha256(key, read) if key[-1] else stream_sha256(read)
 
 
 # --------------------------------------------------------------------------------------------------
