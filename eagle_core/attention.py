@@ -28,20 +28,24 @@ def restrict_to_span(allowed: torch.Tensor, rule, position_ids: torch.Tensor) ->
 
     Committed slot s holds the token at position s; the S new entries are at `position_ids` [B, S], a tree's
     nodes at their depth along their own path, so a node's window counts the positions of its own ancestors."""
-    from eagle_core.families import CHUNKED, SLIDING
-
     past = allowed.shape[-1] - position_ids.shape[1]
     slots = torch.arange(past, device=position_ids.device)[None].expand(position_ids.shape[0], past)
-    key_pos = torch.cat([slots, position_ids], dim=1)[:, None, :]  # [B, 1, P+S]
-    query_pos = position_ids[:, :, None]  # [B, S, 1]
+    inside = within_span(rule, position_ids, torch.cat([slots, position_ids], dim=1))
+    return allowed if inside is None else allowed & inside[:, None]
+
+
+def within_span(rule, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor | None:
+    """[B, S, K] bool: which keys (at positions key_pos [B, K]) lie inside the window or the chunk of each query (at
+    query_pos [B, S]) under `rule`; None for full attention (every key)."""
+    from eagle_core.families import CHUNKED, SLIDING
+
+    query_pos, key_pos = query_pos[:, :, None], key_pos[:, None, :]
     if rule.kind == SLIDING:
-        inside = query_pos - key_pos < rule.span
-    elif rule.kind == CHUNKED:
-        inside = torch.div(query_pos, rule.span, rounding_mode="floor") == torch.div(key_pos, rule.span,
-                                                                                    rounding_mode="floor")
-    else:
-        return allowed
-    return allowed & inside[:, None]
+        return query_pos - key_pos < rule.span
+    if rule.kind == CHUNKED:
+        return torch.div(query_pos, rule.span, rounding_mode="floor") == torch.div(key_pos, rule.span,
+                                                                                  rounding_mode="floor")
+    return None
 
 
 _RULES: dict = {}  # id(config) -> (weak reference to it, `_layer_rules`): transformers configs are unhashable

@@ -28,6 +28,7 @@ import torch
 from eagle_core.attention import attention_allowed, causal_mask
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex
+from eagle_core.static_kv import StaticConfig, StaticKV
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
 from eagle_core.timing import Timer, timer_for
@@ -128,6 +129,8 @@ def plain_step(target, kv: TargetKV, token: torch.Tensor, sampling: SamplingConf
 
     The token sits at position kv.lengths; the next one, drawn here, at kv.lengths + 1.
     """
+    if isinstance(kv, StaticKV):  # its own step: fixed shapes, compiled where `StaticConfig.compile` says
+        return kv.plain_step(token, sampling, seeds, aux_layer_ids)
     b = token.shape[0]
     past_width = kv.width
     positions = kv.lengths + 1
@@ -248,18 +251,22 @@ class DecodingState:
 
     @classmethod
     def prefill(cls, target, draft, prompts: list[list[int]], sampling: SamplingConfig,
-                tree: TreeConfig | None = None, seeds=None) -> tuple["DecodingState", Step]:
+                tree: TreeConfig | None = None, seeds=None,
+                static: StaticConfig | None = None) -> tuple["DecodingState", Step]:
         """Prompts through the target (and their features into the draft); the Step holds each first token.
 
         seeds: one per row (ints, or an int64 tensor), for sampling (ignored when greedy). A row's tokens are a
         function of its prompt, the sampling settings and its seed alone: the token at absolute position t uses
         the noise of (seed, t) (`verify.sample_tokens`), whichever mode, draft or batch decodes it.
+
+        static: decode on a `StaticKV` (preallocated buffers written by index, `eagle_core.static_kv`) instead of
+        the growing `TargetKV`; the same tokens. Opt-in: raises `UnsupportedTarget` for a family it lacks.
         """
         device = target.get_input_embeddings().weight.device
         timer = timer_for(device)
         t0 = timer.mark()
         seeds = None if sampling.greedy else seed_tensor(seeds, device)
-        kv = TargetKV(len(prompts), device)
+        kv = TargetKV(len(prompts), device) if static is None else StaticKV(target, len(prompts), static)
         aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
         root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)

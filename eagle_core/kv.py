@@ -262,6 +262,8 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
     from eagle_core.families import UnsupportedTarget
     from eagle_core.capture import record_hidden_states
 
+    if not isinstance(kv, TargetKV):  # a static cache (`eagle_core.static_kv.StaticKV`) owns its forward
+        return kv.forward(input_ids, position_ids, new_mask, aux_layer_ids)
     decoder = target.model
     _, _, limit = layer_rules(target.config)
     if limit is not None and kv.width + input_ids.shape[1] > limit:

@@ -1,0 +1,225 @@
+"""The static decoding path: a target KV cache allocated once, written by index, and the target forward over it.
+
+Why (issue 39): on a GPU today's decode step (`eagle_core.kv`) is bound by Python and kernel launches, not by
+memory: its cache views change shape every forward, buffers are reallocated, each round reads lengths back to the
+host, and masks and capture hooks are registered per call. Here one object, `StaticKV`, owns what a target forward
+needs between rounds, and a step is a function of device tensors of fixed shapes that `torch.compile` traces whole:
+
+* per decoder layer, keys and values [rows, kv_heads, capacity, head_dim], allocated once and zero-filled;
+* every row's length, a device tensor [rows] (rows [0, batch) in use), changed in place;
+* the forward (`forward`): embeddings, rotary, the decoder layers each with its own kind's mask, the aux layers
+  kept on the way, the final norm; no hooks, nothing registered per call.
+
+Layout: row b's committed entries occupy slots [0, lengths[b]) and slot s holds position s (as in `eagle_core.kv`).
+A forward of S new tokens writes them at slots [lengths[b], lengths[b] + S) of each row (a scatter: rows write at
+their own slots) with the positions the caller gives; `keep_new_` moves the kept ones down to
+[lengths[b], lengths[b] + n_keep[b]) in place and adds n_keep to the lengths. A plain step's one entry already
+sits where it is kept: the step only adds 1. Nothing is reallocated: every buffer keeps the `data_ptr()` of its
+allocation across rounds, row selections (`select_rows_`) and merges (`merge_`).
+
+Attention reads the first `attend_width` slots of every buffer: a multiple of `bucket` at least the host's bound on
+the longest row plus S, so a compiled step sees the same shapes until the bucket changes. Slots a row does not own
+are masked out, so what they hold changes no token (the tests write garbage there); it must only be finite (a NaN
+times a zero weight is NaN), which zero-filled buffers written with the model's own keys are.
+
+The host keeps one int per cache, `width`: an upper bound on the longest row, advanced by what a keep may add
+(its K), never read from the device. Families: those whose decoder forward is Llama's loop (`STATIC_FAMILIES`);
+the others raise `UnsupportedTarget` and keep the eager path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from eagle_core.attention import layer_rules, our_attention, to_bias, within_span
+from eagle_core.families import UnsupportedTarget, family_name
+from eagle_core.kv import lm_logits
+from eagle_core.verify import SamplingConfig, sample_next
+
+# Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
+# position embeddings, cache) -> final norm, which `StaticKV._forward` reproduces (the tests check each against
+# the eager path). Gemma scales its embeddings, Granite multiplies them, Llama 4 tunes temperatures by the cache
+# length: not here yet.
+STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "gpt_oss"})
+
+
+class CacheFull(RuntimeError):
+    """A forward would write past the cache's capacity (slots per row) or a merge past its rows."""
+
+
+@dataclass
+class StaticConfig:
+    capacity: int = 2048  # slots per row: prompt, answer and one verify's tree
+    rows: int = 0  # batch rows allocated (0: the prefill's batch); merges fill the spare ones
+    bucket: int = 64  # attention reads a multiple of this many slots: one compiled shape per bucket
+    # Wraps the plain step once (e.g. `lambda f: torch.compile(f, fullgraph=True)`); None: eager.
+    compile: Callable | None = None
+
+
+class StaticKV:
+    """The target's static KV cache and its forward (module docstring). Offers `TargetKV`'s interface (`lengths`,
+    `width`, `keep_new_`, `truncate_`, `select_rows_`, `merge_`), so `eagle_core.decoding` runs on either."""
+
+    def __init__(self, target, batch_size: int, config: StaticConfig | None = None):
+        config = config or StaticConfig()
+        tc = target.config
+        if getattr(tc, "model_type", None) not in STATIC_FAMILIES:
+            raise UnsupportedTarget(f"{family_name(tc)}: the static decoding path does not reproduce this family's "
+                                    "forward; it decodes eagerly")
+        devices = {p.device for p in target.parameters()}
+        if len(devices) != 1:
+            raise UnsupportedTarget("a target spread over several devices decodes eagerly (static path: one device)")
+        weight = target.get_input_embeddings().weight
+        rows = max(batch_size, config.rows)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        shape = (rows, tc.num_key_value_heads, config.capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(tc.num_hidden_layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self._lengths = torch.zeros(rows, dtype=torch.long, device=weight.device)  # [rows]
+        self.target, self.batch, self.config = target, batch_size, config
+        self.width = 0  # host: upper bound on every row's length
+        self.attend_width = 0  # slots the current forward's attention reads
+        self.rules = layer_rules(tc)[0]
+        self.kinds = tuple(dict.fromkeys(self.rules))  # the distinct rules, in layer order
+        self._plain = config.compile(self._plain_step) if config.compile else self._plain_step
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] the rows' lengths: a view of the cache's own tensor, changed in place by every keep."""
+        return self._lengths[: self.batch]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values, self._lengths]
+
+    # ---- host bookkeeping --------------------------------------------------------------------------------------
+
+    def _reserve(self, s: int) -> None:
+        """Before a forward of s new tokens: check the room, choose the slots attention reads (the bucket)."""
+        need, capacity, bucket = self.width + s, self.config.capacity, self.config.bucket
+        if need > capacity:
+            raise CacheFull(f"a forward of {s} tokens needs up to {need} slots per row; the static cache has "
+                            f"{capacity} (StaticConfig.capacity)")
+        self.attend_width = min(capacity, -(-need // bucket) * bucket)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
+                aux_layer_ids: list[int] | None = None):
+        """`eagle_core.kv.target_forward` on this cache: (hidden [B, S, H] after the final norm, aux [B, S, 3H] or
+        None); the S entries are written at each row's slots [lengths[b], lengths[b] + S)."""
+        self._reserve(input_ids.shape[1])
+        with our_attention(self.target.model):
+            return self._forward(input_ids, position_ids, new_mask, tuple(aux_layer_ids or ()))
+
+    def plain_step(self, token: torch.Tensor, sampling: SamplingConfig, seeds=None,
+                   aux_layer_ids: list[int] | None = None):
+        """`eagle_core.decoding.plain_step` on this cache: token [B] -> (next token [B], aux [B, 1, 3H] or None),
+        through the compiled step when `StaticConfig.compile` is set."""
+        self._reserve(1)
+        with our_attention(self.target.model):
+            out = self._plain(token, sampling, seeds, tuple(aux_layer_ids or ()))
+        self.width += 1
+        return out
+
+    # ---- device work: tensors of fixed shapes only (what a compiled step traces) --------------------------------
+
+    def _plain_step(self, token, sampling, seeds, aux_layer_ids):
+        b = token.shape[0]
+        lengths = self._lengths[:b]
+        ones = torch.ones(b, 1, 1, dtype=torch.bool, device=token.device)
+        hidden, aux = self._forward(token[:, None], lengths[:, None], ones, aux_layer_ids)
+        positions = lengths + 1  # where the next token is drawn
+        lengths += 1  # the step's entry was written at slot lengths[b]: it is kept where it is
+        return sample_next(lm_logits(self.target, hidden[:, 0]), sampling, seeds, positions), aux
+
+    def _forward(self, input_ids, position_ids, new_mask, aux_layer_ids: tuple):
+        decoder = self.target.model
+        hidden = decoder.embed_tokens(input_ids)
+        masks = self._masks(position_ids, new_mask, hidden.dtype)
+        rotary = decoder.rotary_emb(hidden, position_ids)
+        kept = {0: hidden}  # aux id j: the output of decoder layer j - 1 (0: the embeddings)
+        for i, layer in enumerate(decoder.layers[: self.target.config.num_hidden_layers]):
+            hidden = layer(hidden, attention_mask=masks[self.rules[i]], position_embeddings=rotary,
+                           position_ids=position_ids, cache=self, use_cache=True)
+            if i + 1 in aux_layer_ids:
+                kept[i + 1] = hidden
+        aux = torch.cat([kept[j] for j in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return decoder.norm(hidden), aux
+
+    def _masks(self, position_ids: torch.Tensor, new_mask: torch.Tensor, dtype) -> dict:
+        """{rule: additive mask [B, 1, S, attend_width]}: row b's query i sees its committed slots (< lengths[b])
+        and the new entries j that new_mask[b, i, j] allows (at slot lengths[b] + j), within its window or chunk
+        (committed slot s is position s, new entry j is position_ids[b, j])."""
+        b, s = position_ids.shape
+        slot = torch.arange(self.attend_width, device=position_ids.device)[None, :]  # [1, W]
+        rel = slot - self._lengths[:b, None]  # [B, W]: j for the new entries, < 0 for the committed ones
+        committed = rel < 0
+        j = rel.clamp(0, s - 1)
+        is_new = ~committed & (rel < s)
+        allowed = committed[:, None, :] | (is_new[:, None, :] & new_mask.gather(2, j[:, None, :].expand(b, s, -1)))
+        key_pos = torch.where(committed, slot, position_ids.gather(1, j))  # [B, W]
+        masks = {}
+        for rule in self.kinds:
+            inside = within_span(rule, position_ids, key_pos)
+            masks[rule] = to_bias((allowed if inside is None else allowed & inside)[:, None], dtype)
+        return masks
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The transformers cache call inside each attention: write the new (k, v) [B, kv, S, d] at every row's
+        slots [lengths[b], lengths[b] + S) and return the slots attention reads, [B, kv, attend_width, d]."""
+        b, _, s, _ = key_states.shape
+        slots = self._lengths[:b, None] + torch.arange(s, device=key_states.device)  # [B, S]
+        index = slots[:, None, :, None].expand_as(key_states)
+        keys, values = self.keys[layer_idx][:b], self.values[layer_idx][:b]
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index, value_states)
+        return keys[:, :, : self.attend_width], values[:, :, : self.attend_width]
+
+    # ---- keeping entries, rows joining and leaving: in place ---------------------------------------------------
+
+    def keep_new_(self, past_width, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
+        """After a forward of S entries: keep `keep[b, :n_keep[b]]` of them (indices into the new entries), moved
+        in order to slots [lengths[b], lengths[b] + n_keep[b]). `past_width` is `TargetKV`'s and unused: rows
+        wrote at their own lengths. Every row moves K = keep.shape[1] entries (those past n_keep land in its
+        garbage), read before any is written."""
+        b, k = keep.shape
+        lengths = self._lengths[:b]
+        src = lengths[:, None] + keep  # [B, K]
+        dst = lengths[:, None] + torch.arange(k, device=keep.device)
+        for buf in (*self.keys, *self.values):
+            rows = buf[:b]
+            shape = (b, buf.shape[1], k, buf.shape[3])
+            moved = rows.gather(2, src[:, None, :, None].expand(shape))
+            rows.scatter_(2, dst[:, None, :, None].expand(shape), moved)
+        lengths += n_keep
+        self.width += k
+
+    def truncate_(self, width: int) -> None:
+        """Forget every slot from `width` on (rows' lengths capped at it); what a forward wrote and no keep kept is
+        already beyond the lengths."""
+        self.lengths.clamp_(max=width)
+        self.width = min(self.width, width)
+
+    def select_rows_(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` ([B'] long, in order): moved to rows [0, B') of the same buffers."""
+        n, w = rows.numel(), self.width
+        for buf in (*self.keys, *self.values):
+            buf[:n, :, :w] = buf[rows, :, :w]  # the right side is a new tensor: read before anything is written
+        self._lengths[:n] = self._lengths[rows]
+        self.batch = n
+
+    def merge_(self, other: "StaticKV") -> None:
+        """Append `other`'s rows after this cache's rows, into its spare rows (`StaticConfig.rows`). Checked before
+        anything is copied: a merge that cannot fit leaves this cache as it was."""
+        if not isinstance(other, StaticKV) or len(other.keys) != len(self.keys):
+            raise ValueError("a static cache merges only a static cache of the same target")
+        n, m = self.batch, other.batch
+        if n + m > self._lengths.shape[0] or other.width > self.config.capacity:
+            raise CacheFull(f"merging {m} rows of up to {other.width} slots into a static cache of "
+                            f"{self._lengths.shape[0]} rows ({n} in use) and {self.config.capacity} slots")
+        w = other.width
+        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
+            mine[n: n + m, :, :w] = theirs[:m, :, :w]
+        self._lengths[n: n + m] = other.lengths
+        self.batch, self.width = n + m, max(self.width, w)
