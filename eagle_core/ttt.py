@@ -7,11 +7,11 @@ What step k sees at column t (t = 0..L-1):
     step k: hidden = the draft's own step-(k-1) output at column t, token x[t+k+1], position p(t) + k
     it predicts x[t+k+2]: target = softmax of the target's logits at position t+k+1, restricted to the
     draft vocab and renormalised; the position counts when loss_mask[t+k+2] is set.
-Attention of step k at column t: the step-0 keys of columns s <= t (causal, padding removed) plus the
-keys that column t itself produced at steps 1..k (diagonal blocks). So step k needs only the step-0
-[L, L] block and k per-column dot products; the (K*L)^2 mask of the naive formulation never exists. That attention
-and the draft head's loss run as blocked autograd functions (`eagle_core.ttt_ops`) that keep no [L, L] or
-[L, draft vocab] tensor for the backward.
+Attention of step k at column t: the step-0 keys of columns s <= t (causal, padding removed; in a packed row only
+those of column t's conversation, `eagle_core.ttt_batch`) plus the keys that column t itself produced at steps 1..k
+(diagonal blocks). So step k needs only the step-0 [L, L] block and k per-column dot products; the (K*L)^2 mask of
+the naive formulation never exists. That attention and the draft head's loss run as blocked autograd functions
+(`eagle_core.ttt_ops`) that keep no [L, L] or [L, draft vocab] tensor for the backward.
 `eagle_core.ttt_naive.ttt_forward_naive` is that naive formulation, kept as the executable definition for tests and
 benchmarks.
 
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from eagle_core.draft import Eagle3Draft, repeat_kv
 from eagle_core.recipe import REFERENCE
 from eagle_core.teacher import target_distribution
+from eagle_core.ttt_batch import check_batch, document_starts, step_mask
 from eagle_core.ttt_ops import compute_dtype, soft_cross_entropy, ttt_attention
 
 
@@ -124,8 +125,9 @@ def ttt_forward(
     return_logits: bool = False,
     targets: tuple | None = None,
     step_denominators=None,
+    position_ids=None,
 ) -> TTTOutput:
-    """TTT loss over a padded batch.
+    """TTT loss over a padded or packed batch.
 
     input_ids, loss_mask, attention_mask: [B, L]; aux_hidden: [B, L, 3Ht]; target_last_hidden: [B, L, Ht]
     target_lm_head_weight: [V, Ht] (frozen; the target's distribution is computed here, without grad)
@@ -134,6 +136,9 @@ def ttt_forward(
     step_denominators: optional [K] divisors replacing this batch's own per-step position counts. Data
     parallel training passes (global count / world size), so the ranks' averaged gradients equal those of
     one process holding the whole global batch, whatever share of positions each rank holds
+    position_ids: optional [B, L], a packed batch's (`eagle_core.ttt_batch`): rotary positions that restart at 0
+    where a conversation starts; attention and the TTT steps then stay inside each conversation, and the loss
+    equals that of the same conversations one per row. None: one conversation per row (padding skipped)
     """
     K = ttt_steps or draft.config.ttt_steps
     B, L = input_ids.shape
@@ -141,7 +146,8 @@ def ttt_forward(
         attention_mask = torch.ones_like(input_ids)
     target_p, target_argmax = targets or target_distribution(target_last_hidden, target_lm_head_weight, draft.d2t)
     loss_mask = loss_mask.float() * attention_mask.float()  # float32: counts stay exact
-    positions = positions_from_mask(attention_mask)
+    positions = positions_from_mask(attention_mask) if position_ids is None else position_ids
+    starts = None if position_ids is None else document_starts(position_ids)  # [B, L]: each column's conversation
     key_valid = attention_mask.bool()
     n_rep = draft.num_heads // draft.num_kv_heads
 
@@ -151,7 +157,7 @@ def ttt_forward(
     # The head in the compute dtype, cast once for the K steps (its gradient still goes to the float32 weight).
     head_dtype = compute_dtype(hidden)
     head_low = draft.lm_head.weight.detach().to(head_dtype) if head_dtype != draft.lm_head.weight.dtype else None
-    counted = counted_rows(loss_mask, attention_mask, K)
+    counted = counted_rows(loss_mask, attention_mask, K, starts)
     k0 = v0 = None
     diag_k, diag_v, results = [], [], []
     for k in range(K):
@@ -162,19 +168,20 @@ def ttt_forward(
         else:
             diag_k.append(kk)
             diag_v.append(vv)
-        hidden = draft.finish_layer(ttt_attention(q, k0, v0, key_valid, diag_k, diag_v), residual)
+        hidden = draft.finish_layer(ttt_attention(q, k0, v0, key_valid, diag_k, diag_v, starts), residual)
         # Logits are materialised only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         logits = draft.compute_logits(hidden) if return_logits else None
         results.append((logits, *step_head_loss(draft, hidden, k, target_p, target_argmax, counted[k], head_low)))
     return collect_steps(results, step_decay, return_logits, step_denominators)
 
 
-def counted_rows(loss_mask, column_mask, steps: int) -> list[tuple]:
-    """Per step k < `steps`: (batch indices, column indices, count) of the columns that count (`step_mask`), all
-    from one `nonzero` (one host sync per training step on CUDA, not one per TTT step)."""
+def counted_rows(loss_mask, column_mask, steps: int, starts=None) -> list[tuple]:
+    """Per step k < `steps`: (batch indices, column indices, count) of the columns that count (`step_mask`; `starts`:
+    a packed batch's `document_starts`), all from one `nonzero` (one host sync per training step on CUDA, not one per
+    TTT step)."""
     B, L = loss_mask.shape
     width = max(L - 2, 0)
-    masks = torch.stack([F.pad(step_mask(loss_mask, column_mask, L, k), (0, width - max(L - k - 2, 0)))
+    masks = torch.stack([F.pad(step_mask(loss_mask, column_mask, L, k, starts), (0, width - max(L - k - 2, 0)))
                          for k in range(steps)]) > 0  # [K, B, L-2]
     _, b, t = masks.nonzero(as_tuple=True)  # ordered by k, then b, then t: each step's (b, t) as before
     counts = masks.sum((1, 2))
@@ -191,14 +198,6 @@ def step_head_loss(draft, hidden, k, target_p, target_argmax, counted, head_low=
     loss, hits = soft_cross_entropy(x, draft.lm_head.weight, target_p[b, t + k + 1], target_argmax[b, t + k + 1],
                                      draft.d2t, head_low)
     return loss, hits, count
-
-
-def step_mask(loss_mask, column_mask, length: int, k: int):
-    """[B, n] with n = max(length - k - 2, 0): which columns t count at step k. Column t predicts token t+k+2, so
-    loss_mask[t+k+2]; a padded column (column_mask 0) holds no real feature and never counts (left padding)."""
-    n = max(length - k - 2, 0)
-    mask = loss_mask[:, k + 2:]
-    return mask if column_mask is None else mask * column_mask[:, :n].to(mask.dtype)
 
 
 def step_loss(draft, logits, k, target_p, target_argmax, loss_mask, column_mask=None):
@@ -290,62 +289,10 @@ def batch_to(batch: dict, device) -> dict:
     return {k: move(v) for k, v in batch.items()}
 
 
-class BadBatch(ValueError):
-    """A training batch that cannot train the draft; the message names what is wrong."""
-
-
-def check_batch(draft, batch: dict, target_lm_head_weight=None, contents: bool = True) -> None:
-    """Refuse a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets]} that does not fit
-    `draft` or holds nothing to learn: shapes that disagree with each other or with the draft (features of another
-    target or other aux layers, a head of another vocabulary), and with `contents` token ids outside the target's
-    vocabulary and a row of real tokens whose loss mask selects none that a TTT step counts (a row without real
-    tokens, attention mask all 0, is the distributed loop's dummy row: no error). Raises BadBatch naming it.
-    `train_step` checks the shapes of every batch (no host sync; a misfit would fail later, less clearly); a caller
-    that builds the batches checks their contents too, before the first step."""
-    cfg = draft.config
-    ids = batch["input_ids"]
-    if ids.dim() != 2:
-        raise BadBatch(f"input_ids must be [batch, length], got shape {list(ids.shape)}")
-    B, L = ids.shape
-    for name in ("loss_mask", "attention_mask"):
-        if batch.get(name) is not None and tuple(batch[name].shape) != (B, L):
-            raise BadBatch(f"{name} is {list(batch[name].shape)}, input_ids {[B, L]}: one entry per token needed")
-    width = len(cfg.aux_layer_ids) * cfg.target_hidden_size
-    expected = {"aux_hidden": (B, L, width), "last_hidden": (B, L, cfg.target_hidden_size)}
-    why = {"aux_hidden": f"{len(cfg.aux_layer_ids)} aux layers {cfg.aux_layer_ids} x target hidden "
-                         f"{cfg.target_hidden_size}",
-           "last_hidden": f"the target's hidden size {cfg.target_hidden_size}"}
-    for name, shape in expected.items():
-        if tuple(batch[name].shape) != shape:
-            raise BadBatch(f"{name} is {list(batch[name].shape)}; this draft needs {list(shape)} ({why[name]}): "
-                           "features of another target, aux layers or length")
-    if target_lm_head_weight is not None and tuple(target_lm_head_weight.shape) != (
-            cfg.target_vocab_size, cfg.target_hidden_size):
-        raise BadBatch(f"the target's lm_head is {list(target_lm_head_weight.shape)}; this draft needs "
-                       f"{[cfg.target_vocab_size, cfg.target_hidden_size]} (target vocabulary x hidden)")
-    targets = batch.get("targets")
-    if targets is not None and tuple(targets[0].shape) != (B, L, cfg.draft_vocab_size):
-        raise BadBatch(f"targets' distribution is {list(targets[0].shape)}; this draft needs "
-                       f"{[B, L, cfg.draft_vocab_size]} (its draft vocabulary)")
-    if not contents:
-        return
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
-        raise BadBatch(f"input_ids hold {int(ids.min())}..{int(ids.max())}, outside the target's vocabulary "
-                       f"0..{cfg.target_vocab_size - 1}")
-    # Step 0 counts column t when loss_mask[t+2] is set at a real column t (`step_mask`); later steps count fewer.
-    attention = batch.get("attention_mask")
-    real = torch.ones_like(ids, dtype=torch.float32) if attention is None else attention.float()
-    counted = step_mask(batch["loss_mask"].float() * real, real, L, 0)
-    empty = ((counted.sum(-1) == 0) & (real.sum(-1) > 0)).nonzero()[:, 0].tolist()
-    if empty:
-        raise BadBatch(f"row(s) {empty} of the batch have an empty loss mask (no token from position 2 on is "
-                       "marked for training): nothing to learn from them")
-
-
 def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig,
                forward=None) -> dict:
-    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, targets,
-    step_denominators]}.
+    """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, position_ids,
+    targets, step_denominators]} (`eagle_core.ttt_batch`).
 
     `forward` (default `ttt_forward`, same signature) lets a distributed caller route the loss through its
     DDP/FSDP wrapper (gradient sync needs the wrapper's forward) and autocast; the step itself stays here.
@@ -357,7 +304,7 @@ def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, 
         draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
         target_lm_head_weight, attention_mask=batch.get("attention_mask"), ttt_steps=cfg.ttt_steps,
         step_decay=cfg.step_decay, noise=cfg.noise, targets=batch.get("targets"),
-        step_denominators=batch.get("step_denominators"))
+        step_denominators=batch.get("step_denominators"), position_ids=batch.get("position_ids"))
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)
@@ -400,14 +347,22 @@ def train_draft_steps(draft, batches: Iterable[dict], target_lm_head_weight, cfg
     `on_step(step, metrics)` is where a caller logs or checkpoints (`train_state_dict`); return True from it
     to stop early. To resume, rebuild draft/optimizer/scheduler, `load_train_state`, and pass the step it
     returns as `start_step` (with the batches not yet seen).
+    Every batch is checked (`check_batch`, contents too, where it is: on the CPU, no device sync) before a step uses
+    it: a list or tuple all of them before the first step, another iterable each one before its own step.
     """
     optimizer = optimizer or make_optimizer(draft, cfg)
     scheduler = scheduler or make_scheduler(optimizer, cfg)
     device = draft.fc.weight.device
+    checked = isinstance(batches, (list, tuple))
+    if checked:
+        for batch in batches:
+            check_batch(draft, batch, target_lm_head_weight)
     history, step = [], start_step
     while step < cfg.total_steps:
         progressed = False
         for batch in batches:
+            if not checked:
+                check_batch(draft, batch, target_lm_head_weight)
             metrics = train_step(draft, batch_to(batch, device), target_lm_head_weight, optimizer, scheduler, cfg)
             history.append(metrics)
             step += 1

@@ -40,19 +40,25 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _step0_mask(rows: slice, n_keys: int, key_valid, device):
-    """bool [B, 1, rows, n_keys]: row t sees keys s <= t that are real tokens, and always itself."""
+def _step0_mask(rows: slice, n_keys: int, key_valid, starts, device):
+    """bool [B, 1, rows, n_keys]: row t sees keys s <= t that are real tokens (and, with `starts` [B, L], of row t's
+    conversation: s >= starts[t]), and always itself."""
     t = torch.arange(rows.start, rows.stop, device=device)[:, None]
     s = torch.arange(n_keys, device=device)[None, :]
-    return ((s <= t) & key_valid[:, None, None, :n_keys]) | (s == t)
+    mask = (s <= t) & key_valid[:, None, None, :n_keys]
+    if starts is not None:
+        mask = mask & (s >= starts[:, None, rows, None])
+    return mask | (s == t)
 
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, key_valid, q, k0, v0, *diag):
-        # q, k0, v0, diag: [B, nh, L, D] (diag = the column's keys of steps 1..k, then its values); key_valid [B, L]
+    def forward(ctx, key_valid, starts, q, k0, v0, *diag):
+        # q, k0, v0, diag: [B, nh, L, D] (diag = the column's keys of steps 1..k, then its values); key_valid [B, L];
+        # starts: [B, L] each column's conversation start (a packed batch) or None
         n = len(diag) // 2
         diag_k, diag_v = diag[:n], diag[n:]
+        ctx.starts = starts  # an index tensor, no gradient: kept on ctx with the step's other constants
         scale = 1.0 / math.sqrt(q.shape[-1])
         L = q.shape[2]
         with _no_autocast(q.device.type):
@@ -63,7 +69,7 @@ class _TTTAttention(torch.autograd.Function):
                 rows = slice(a, min(a + ATTENTION_BLOCK, L))
                 keys = rows.stop  # causal: keys past the block's last row never count
                 s = (q[:, :, rows] @ k0[:, :, :keys].transpose(-1, -2)).float() * scale
-                s = s.masked_fill(~_step0_mask(rows, keys, key_valid, q.device), float("-inf"))
+                s = s.masked_fill(~_step0_mask(rows, keys, key_valid, ctx.starts, q.device), float("-inf"))
                 block_lse = torch.logsumexp(s, dim=-1)
                 if d:
                     block_lse = torch.logaddexp(block_lse, torch.logsumexp(
@@ -94,7 +100,7 @@ class _TTTAttention(torch.autograd.Function):
                 rows = slice(a, min(a + ATTENTION_BLOCK, L))
                 keys = rows.stop
                 s = (q[:, :, rows] @ k0[:, :, :keys].transpose(-1, -2)).float() * scale
-                s = s.masked_fill(~_step0_mask(rows, keys, key_valid, q.device), float("-inf"))
+                s = s.masked_fill(~_step0_mask(rows, keys, key_valid, ctx.starts, q.device), float("-inf"))
                 p = torch.exp(s - lse[:, :, rows, None])  # [B, nh, rows, keys]
                 g_rows = g[:, :, rows]
                 dv0[:, :, :keys] += p.to(q.dtype).transpose(-1, -2) @ g_rows
@@ -111,19 +117,22 @@ class _TTTAttention(torch.autograd.Function):
                 dk_diag.append((dsj[..., None] * q.float() * scale).to(kj.dtype))
             dq = (dq * scale).to(q.dtype)
             dk0 = (dk0 * scale).to(k0.dtype)
-        return (None, dq, dk0, dv0.to(v0.dtype), *dk_diag, *dv_diag)
+        return (None, None, dq, dk0, dv0.to(v0.dtype), *dk_diag, *dv_diag)
 
 
-def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v):
+def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v, starts=None):
     """Attention of one TTT step: the causal step-0 block plus per-column diagonal entries.
 
     q: [B, nh, L, D]; k0, v0: [B, nh, L, D] (kv heads already repeated); key_valid: bool [B, L] (padding = False)
     diag_k, diag_v: the same column's keys/values of steps 1..k, each [B, nh, L, D]
-    returns [B, nh, L, D]: softmax over {step-0 keys s <= t that are real, and t itself} + {the k diagonal keys}
+    starts: optional [B, L], the column where each column's conversation starts (a packed batch,
+    `eagle_core.ttt_batch.document_starts`): the step-0 keys of other conversations are masked (block-diagonal)
+    returns [B, nh, L, D]: softmax over {step-0 keys s <= t that are real (and of t's conversation), and t itself}
+    + {the k diagonal keys}
     """
     dtype = compute_dtype(q)
     tensors = [t.to(dtype) for t in (q, k0, v0, *diag_k, *diag_v)]
-    return _TTTAttention.apply(key_valid.bool(), *tensors)
+    return _TTTAttention.apply(key_valid.bool(), starts, *tensors)
 
 
 # The lm_head weight gradient of a low-precision step: one GEMM over all rows with a float32 result (True), or a

@@ -366,7 +366,7 @@ def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target):
 def test_a_batch_that_cannot_train_the_draft_is_refused_before_the_step_by_name(tiny_target):
     """Features of another shape, a head of another vocabulary, ids past the vocabulary and a real row with nothing
     to learn are refused with a message naming them; the distributed loop's dummy row (no real token) is not."""
-    from eagle_core.ttt import BadBatch, check_batch
+    from eagle_core.ttt_batch import BadBatch, check_batch
 
     batch = _batch(tiny_target, "right")
     draft = _draft(tiny_target)
