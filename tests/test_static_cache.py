@@ -1,0 +1,217 @@
+"""The static decoding path (`eagle_core.static_kv`, issue 39) against today's growing cache (`eagle_core.kv`):
+
+* it holds the same entries: random trees verified on both caches, random paths kept (not prefixes, a different
+  length per row), plain steps between, past sliding windows and chunks, for every family it claims;
+* decoding on it gives today's tokens (fp32, greedy and seeded sampling, batch 1 and a ragged batch, plain, tree
+  and chain rounds mixed), with rows leaving and joining, while every buffer keeps its `data_ptr()`;
+* garbage in the slots no row owns changes no token;
+* the plain step traces whole (`torch.compile(fullgraph=True)`: one graph, no break) and compiles once;
+* what does not fit is refused before anything is written; families it lacks are refused by name.
+"""
+
+import pytest
+import torch
+
+from decode_helpers import damped_tiny_llama, echo_draft, random_draft, random_prompts, single_thread  # noqa: F401
+from family_helpers import tiny_family_model
+from eagle_core.decoding import DecodingState, plain_step, prefill
+from eagle_core.families import UnsupportedTarget
+from eagle_core.kv import TargetKV
+from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV
+from eagle_core.tree import TreeConfig, tree_from_parents
+from eagle_core.verify import SamplingConfig, verify_hidden
+
+# family_helpers names of the families whose decoder forward the static path reproduces (`STATIC_FAMILIES`)
+STATIC = ["llama", "mistral-window", "qwen2-window", "qwen3", "qwen3-moe", "phi3", "olmo2", "gpt-oss"]
+GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, top_k=50)
+
+
+def random_tree(b: int, n: int, vocab: int, g: torch.Generator):
+    """B random trees of n nodes (each node's parent drawn among the earlier ones)."""
+    parents = torch.stack([torch.randint(0, max(i, 1), (b,), generator=g) for i in range(n)], dim=1)
+    return tree_from_parents(torch.randint(3, vocab, (b, n), generator=g), parents)
+
+
+def path_to(tree, last: torch.Tensor) -> torch.Tensor:
+    """[B, D+1] the root-to-`last` path of every row, root first, padded by repeating `last` (as `Acceptance`)."""
+    b, n = tree.tokens.shape
+    on_path = tree.ancestors[torch.arange(b), last]
+    order = torch.where(on_path, tree.depth, n + tree.depth).argsort(dim=-1)[:, : int(tree.depth.max()) + 1]
+    steps = torch.arange(order.shape[1])[None, :]
+    return torch.where(steps <= tree.depth.gather(1, last[:, None]), order, last[:, None])
+
+
+@pytest.mark.parametrize("name", STATIC)
+@torch.inference_mode()
+def test_the_static_cache_holds_what_the_growing_cache_holds(name):
+    """Same forward outputs and, row by row and layer by layer, the same committed keys and values after every
+    keep: the in-place compaction moves exactly the kept entries, whatever path and length each row keeps."""
+    target = tiny_family_model(name)
+    prompts = random_prompts(3, 256, lo=10, hi=20, seed=1)
+    g = torch.Generator().manual_seed(0)
+    eager, static = TargetKV(3, "cpu"), StaticKV(target, 3, StaticConfig(capacity=160, bucket=16))
+    for kv in (eager, static):
+        logits, aux, _, _ = prefill(target, kv, prompts, [1, 2, 3])
+        kv.logits, kv.aux = logits, aux
+    torch.testing.assert_close(static.logits, eager.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(static.aux, eager.aux, rtol=1e-5, atol=1e-5)
+    token = static.logits.argmax(-1)
+    for round_ in range(6):  # 6 x (a tree keeping up to 5 entries + a plain step): past windows and chunks of 8
+        tree = random_tree(3, 9, 256, g)
+        last = torch.randint(0, 9, (3,), generator=g)
+        path = path_to(tree, last)
+        outs = []
+        for kv in (eager, static):
+            past = kv.width
+            hidden, aux = verify_hidden(target, kv, tree, [1, 2, 3])
+            kv.keep_new_(past, path, tree.depth.gather(1, last[:, None])[:, 0] + 1)
+            nxt, step_aux = plain_step(target, kv, token, GREEDY, None, [1, 2, 3])
+            outs.append((hidden, aux, step_aux))
+        for mine, theirs in zip(*outs[::-1]):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        assert torch.equal(static.lengths, eager.lengths)
+        for layer, (k, v) in enumerate(zip(static.keys, static.values)):
+            for row, n in enumerate(eager.lengths.tolist()):
+                want = eager.cache.layers[layer]
+                torch.testing.assert_close(k[row, :, :n], want.keys[row, :, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(v[row, :, :n], want.values[row, :, :n], rtol=1e-5, atol=1e-5)
+    assert int(eager.lengths.min()) > 24 + 8  # the windows and chunks of 8 were crossed several times
+
+
+def decode(target, draft, prompts, sampling, modes, static=None, join=None, leave=None, between=None):
+    """Tokens per prompt of a `DecodingState` run through `modes`: row 1 leaves before round `leave`, the `join`
+    prompts (the last ones) join before round 3; `between(state)` runs before every round."""
+    tree = TreeConfig(3, 4, 10)
+    first = len(prompts) - len(join or [])
+    seeds = [100 + i for i in range(len(prompts))]
+    state, step = DecodingState.prefill(target, draft, prompts[:first], sampling, tree, seeds[:first], static=static)
+    rows = list(range(first))
+    out = {i: list(t) for i, t in zip(rows, step.tokens)}
+    for r, mode in enumerate(modes):
+        if r == leave:
+            state.select_rows_([0, 2])
+            rows = [0, 2]
+        if r == 3 and join:
+            new, joined = DecodingState.prefill(target, draft, join, sampling, tree, seeds[first:], static=static)
+            state.merge_(new)
+            out.update({first + i: list(t) for i, t in enumerate(joined.tokens)})
+            rows += list(range(first, len(prompts)))
+        if between is not None:
+            between(state)
+        for i, tokens in zip(rows, state.step(mode).tokens):
+            out[i] += tokens
+    return [out[i] for i in sorted(out)]
+
+
+MODES = ["plain", "tree", "plain", "chain", "tree", "plain", "tree", "tree"] * 2
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("batch", [1, 3], ids=["alone", "ragged-batch"])
+@pytest.mark.parametrize("kind", ["diverse", "repeating"])
+@torch.inference_mode()
+def test_static_decoding_gives_todays_tokens(kind, batch, sampling):
+    """fp32, every mode mixed: a random-weight family target whose answers vary (trees rarely accepted), and a
+    damped one with a draft that accepts long paths (keeps of several entries every round)."""
+    if kind == "diverse":
+        target = tiny_family_model("llama")
+        draft, prompts = random_draft(target, 256), random_prompts(3, 256, lo=10, hi=20, seed=1)[:batch]
+    else:
+        target = damped_tiny_llama(0.8, seed=3)
+        draft, prompts = echo_draft(target), random_prompts(3, 512, seed=5)[:batch]
+    eager = decode(target, draft, prompts, sampling, MODES)
+    assert decode(target, draft, prompts, sampling, MODES, static=StaticConfig(capacity=256)) == eager
+    assert min(map(len, eager)) >= len(MODES) + 1
+    if kind == "repeating" and sampling.greedy:  # rounds accepted several tokens: keeps of several entries
+        assert min(map(len, eager)) >= 2 * len(MODES)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@torch.inference_mode()
+def test_rows_leave_and_join_in_place_and_no_buffer_moves(sampling):
+    """Row 1 leaves, two prefilled rows join (into the cache's spare rows): today's tokens, and every buffer of the
+    batch's cache (keys, values, lengths) keeps its `data_ptr()` across rounds, the selection and the merge."""
+    target = damped_tiny_llama(0.8, seed=3)
+    draft, prompts = echo_draft(target), random_prompts(5, 512, seed=5)
+    eager = decode(target, draft, prompts, sampling, MODES, join=prompts[3:], leave=2)
+    seen = {}
+
+    def same_buffers(state):
+        pointers = [t.data_ptr() for t in state.kv.buffers()]
+        assert seen.setdefault("pointers", pointers) == pointers
+
+    static = StaticConfig(capacity=256, rows=4)
+    assert decode(target, draft, prompts, sampling, MODES, static, prompts[3:], 2, same_buffers) == eager
+    assert len(eager) == 5 and min(len(t) for i, t in enumerate(eager) if i != 1) >= len(MODES) - 2
+
+
+@torch.inference_mode()
+def test_garbage_in_unused_slots_changes_no_token():
+    """Before every round, every slot no row owns (past each row's length, and the spare rows) is filled with
+    large random values: the masks never let a query see them, so the tokens stay today's."""
+    target = tiny_family_model("qwen2-window")  # full and sliding layers: both kinds of mask
+    prompts = random_prompts(3, 256, lo=10, hi=20, seed=1)
+    draft = random_draft(target, 256)
+    g = torch.Generator().manual_seed(0)
+
+    def garbage(state):
+        kv = state.kv
+        lengths = torch.zeros_like(kv._lengths)
+        lengths[: kv.batch] = kv.lengths  # spare rows own nothing
+        for buf in (*kv.keys, *kv.values):
+            unused = torch.arange(buf.shape[2])[None, :] >= lengths[:, None]  # [rows, capacity]
+            noise = torch.randn(buf.shape, generator=g, dtype=buf.dtype) * 1e3
+            buf.copy_(torch.where(unused[:, None, :, None], noise, buf))
+
+    eager = decode(target, draft, prompts, GREEDY, MODES)
+    assert decode(target, draft, prompts, GREEDY, MODES, StaticConfig(capacity=128, rows=5), between=garbage) == eager
+
+
+@torch.inference_mode()
+def test_the_plain_step_traces_whole_and_compiles_once():
+    """`torch._dynamo.explain`: one graph, no break; compiled with fullgraph=True, three steps (greedy, then seeded
+    sampling) run without recompiling and give the eager steps' tokens."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_family_model("llama")
+    prompts = random_prompts(2, 256, lo=10, hi=20, seed=1)
+    for sampling in (GREEDY, SAMPLED):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = StaticConfig(capacity=128, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
+        states = [DecodingState.prefill(target, None, prompts, sampling, seeds=[1, 2], static=config)[0]
+                  for config in (None, StaticConfig(capacity=128), compiled)]
+        kv = states[1].kv
+        kv._reserve(1)
+        explained = torch._dynamo.explain(kv._plain_step)(states[1].root, sampling, states[1].seeds, ())
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        torch._dynamo.reset()
+        counters.clear()
+        eager, static = states[0], states[2]
+        for step in range(3):
+            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                assert static.step("plain").tokens == eager.step("plain").tokens
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+@torch.inference_mode()
+def test_what_does_not_fit_is_refused_before_anything_is_written():
+    """A forward past the capacity and a merge past the spare rows raise `CacheFull` and leave the cache as it was;
+    a family whose forward the path does not reproduce is refused by name (it decodes eagerly)."""
+    target = tiny_family_model("llama")
+    prompts = random_prompts(2, 256, lo=10, hi=20, seed=1)
+    state, _ = DecodingState.prefill(target, None, prompts, GREEDY, static=StaticConfig(capacity=24))
+    kv = state.kv
+    before = [t.clone() for t in kv.buffers()]
+    with pytest.raises(CacheFull, match="StaticConfig.capacity"):
+        while True:
+            state.step("plain")
+    after = [t.clone() for t in kv.buffers()]
+    assert kv.width == 24 and all(torch.equal(a, b) for a, b in zip(after, kv.buffers()))
+    other, _ = DecodingState.prefill(target, None, prompts[:1], GREEDY, static=StaticConfig(capacity=24))
+    with pytest.raises(CacheFull, match="rows"):
+        kv.merge_(other.kv)
+    assert kv.batch == 2 and all(torch.equal(a, b) for a, b in zip(after, kv.buffers()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, after))  # the steps before did write
+    with pytest.raises(UnsupportedTarget, match="Gemma 2: the static decoding path"):
+        StaticKV(tiny_family_model("gemma2"), 1)
