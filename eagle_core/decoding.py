@@ -174,13 +174,18 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     if context is not None:
         tree = graft_chain(tree, context)
     t1 = timer.mark()
-    past_width, root_positions = kv.width, kv.lengths
-    hidden, aux = verify_hidden(target, kv, tree, aux_layer_ids)  # [B, N, H], [B, N, 3H]
-    if tree_config.path_logits:
-        acc = accept_on_path(target, tree, hidden, sampling, seeds, root_positions)
+    if isinstance(kv, StaticKV):  # forward, acceptance and keep in one step of fixed shapes (the path's width
+        # from the config: draft levels, or the grafted chain's; `path_logits` is an eager CPU saving, not taken)
+        levels = max(tree_config.depth, 0 if context is None else context.shape[1]) + 1
+        acc, aux = kv.verify(tree, sampling, seeds, aux_layer_ids, min(levels, tree.size))
     else:
-        acc = accept(tree, lm_logits(target, hidden), sampling, seeds, root_positions)
-    kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
+        past_width, root_positions = kv.width, kv.lengths
+        hidden, aux = verify_hidden(target, kv, tree, aux_layer_ids)  # [B, N, H], [B, N, 3H]
+        if tree_config.path_logits:
+            acc = accept_on_path(target, tree, hidden, sampling, seeds, root_positions)
+        else:
+            acc = accept(tree, lm_logits(target, hidden), sampling, seeds, root_positions)
+        kv.keep_new_(past_width, acc.path, acc.accept_length + 1)
     t2 = timer.mark()
     # The path's features go to the draft, each paired with the token that follows it on the path
     # (the bonus after the last accepted node): exactly the tokens this round commits.

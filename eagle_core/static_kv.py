@@ -37,7 +37,7 @@ import torch
 from eagle_core.attention import layer_rules, our_attention, to_bias, within_span
 from eagle_core.families import UnsupportedTarget, family_name
 from eagle_core.kv import lm_logits
-from eagle_core.verify import SamplingConfig, sample_next
+from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next
 
 # Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
 # position embeddings, cache) -> final norm, which `StaticKV._forward` reproduces (the tests check each against
@@ -55,7 +55,8 @@ class StaticConfig:
     capacity: int = 2048  # slots per row: prompt, answer and one verify's tree
     rows: int = 0  # batch rows allocated (0: the prefill's batch); merges fill the spare ones
     bucket: int = 64  # attention reads a multiple of this many slots: one compiled shape per bucket
-    # Wraps the plain step once (e.g. `lambda f: torch.compile(f, fullgraph=True)`); None: eager.
+    # Wraps the plain step and the verify step once each (e.g. `lambda f: torch.compile(f, fullgraph=True)`);
+    # None: eager.
     compile: Callable | None = None
 
 
@@ -84,7 +85,8 @@ class StaticKV:
         self.attend_width = 0  # slots the current forward's attention reads
         self.rules = layer_rules(tc)[0]
         self.kinds = tuple(dict.fromkeys(self.rules))  # the distinct rules, in layer order
-        self._plain = config.compile(self._plain_step) if config.compile else self._plain_step
+        wrap = config.compile or (lambda step: step)
+        self._plain, self._verify = wrap(self._plain_step), wrap(self._verify_step)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -122,6 +124,18 @@ class StaticKV:
         self.width += 1
         return out
 
+    def verify(self, tree, sampling: SamplingConfig, seeds, aux_layer_ids: list[int] | None,
+               levels: int) -> tuple[Acceptance, torch.Tensor | None]:
+        """One tree round's target work in one step: the forward over the flattened tree, acceptance (on every
+        node's logits: `accept`) and the keep of the accepted path. levels: at least the tree's depth + 1, at most
+        its size (the accepted path's width, known on the host: nothing is read back from the device). Returns
+        (acceptance, aux [B, N, 3H] or None)."""
+        self._reserve(tree.size)
+        with our_attention(self.target.model):
+            out = self._verify(tree, sampling, seeds, tuple(aux_layer_ids or ()), levels)
+        self.width += levels
+        return out
+
     # ---- device work: tensors of fixed shapes only (what a compiled step traces) --------------------------------
 
     def _plain_step(self, token, sampling, seeds, aux_layer_ids):
@@ -132,6 +146,15 @@ class StaticKV:
         positions = lengths + 1  # where the next token is drawn
         lengths += 1  # the step's entry was written at slot lengths[b]: it is kept where it is
         return sample_next(lm_logits(self.target, hidden[:, 0]), sampling, seeds, positions), aux
+
+    def _verify_step(self, tree, sampling, seeds, aux_layer_ids, levels: int):
+        lengths = self._lengths[: tree.tokens.shape[0]]
+        root_positions = lengths.clone()  # the keep below moves the lengths
+        hidden, aux = self._forward(tree.forward_tokens(), lengths[:, None] + tree.depth, tree.ancestors,
+                                    aux_layer_ids)
+        acc = accept(tree, lm_logits(self.target, hidden), sampling, seeds, root_positions, levels)
+        self._keep(acc.path, acc.accept_length + 1)
+        return acc, aux
 
     def _forward(self, input_ids, position_ids, new_mask, aux_layer_ids: tuple):
         decoder = self.target.model
@@ -183,6 +206,10 @@ class StaticKV:
         in order to slots [lengths[b], lengths[b] + n_keep[b]). `past_width` is `TargetKV`'s and unused: rows
         wrote at their own lengths. Every row moves K = keep.shape[1] entries (those past n_keep land in its
         garbage), read before any is written."""
+        self._keep(keep, n_keep)
+        self.width += keep.shape[1]
+
+    def _keep(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
         b, k = keep.shape
         lengths = self._lengths[:b]
         src = lengths[:, None] + keep  # [B, K]
@@ -193,7 +220,6 @@ class StaticKV:
             moved = rows.gather(2, src[:, None, :, None].expand(shape))
             rows.scatter_(2, dst[:, None, :, None].expand(shape), moved)
         lengths += n_keep
-        self.width += k
 
     def truncate_(self, width: int) -> None:
         """Forget every slot from `width` on (rows' lengths capped at it); what a forward wrote and no keep kept is

@@ -177,22 +177,24 @@ class Acceptance:
     bonus: torch.Tensor  # [B] the target's token after the path (the next round's root)
 
 
-def accept_tokens(tree: Tree, chosen: torch.Tensor) -> Acceptance:
+def accept_tokens(tree: Tree, chosen: torch.Tensor, levels: int | None = None) -> Acceptance:
     """Longest path whose every token is `chosen` at its parent, plus the chosen token after it.
 
-    chosen: [B, N] the target's token after each node (its argmax, or its noisy argmax when sampling).
+    chosen: [B, N] the target's token after each node (its argmax, or its noisy argmax when sampling). levels: the
+    path's width, at least the tree's depth + 1 (None: read from the tree, one host sync; a compiled step passes
+    it: `eagle_core.static_kv`).
     """
     match = tree.tokens == chosen.gather(1, tree.parents)  # [B, N]: node agrees with the target at its parent
     match[:, 0] = True
     on_path = ~(tree.ancestors & ~match[:, None, :]).any(dim=-1)  # node and all its ancestors agree
     # Siblings carry distinct tokens, so the agreeing nodes form one chain from the root: take its end.
     last = torch.where(on_path, tree.depth, -1).argmax(dim=-1)  # [B]
-    return _acceptance(tree, last, chosen.gather(1, last[:, None])[:, 0])
+    return _acceptance(tree, last, chosen.gather(1, last[:, None])[:, 0], levels)
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
+def accept_greedy(tree: Tree, logits: torch.Tensor, levels: int | None = None) -> Acceptance:
     """Longest path whose every token is the target's argmax at its parent, plus the argmax after it."""
-    return accept_tokens(tree, logits.argmax(dim=-1))
+    return accept_tokens(tree, logits.argmax(dim=-1), levels)
 
 
 def level_positions(root_positions: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -201,7 +203,7 @@ def level_positions(root_positions: torch.Tensor, levels: torch.Tensor) -> torch
 
 
 def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds,
-                    root_positions: torch.Tensor) -> Acceptance:
+                    root_positions: torch.Tensor, levels: int | None = None) -> Acceptance:
     """Greedy acceptance on the noisy logits: exactly the tokens plain sampling would have drawn.
 
     Rule: the token after node u (at absolute position q(u) = root position + depth(u) + 1) is
@@ -221,17 +223,18 @@ def accept_sampling(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, 
     tree (it accepts exactly when a target-distributed token falls among the children).
     """
     vocab = logits.shape[-1]
-    levels = torch.arange(int(tree.depth.max()) + 1, device=logits.device)
-    noise = gumbel_noise(seeds, level_positions(root_positions, levels), vocab)  # [B, D+1, V]: one per depth
+    depths = torch.arange(int(tree.depth.max()) + 1 if levels is None else levels, device=logits.device)
+    noise = gumbel_noise(seeds, level_positions(root_positions, depths), vocab)  # [B, D+1, V]: one per depth
     noise = noise.gather(1, tree.depth[:, :, None].expand(-1, -1, vocab))  # [B, N, V]
-    return accept_tokens(tree, (filtered_logits(logits, sampling) + noise).argmax(dim=-1))
+    return accept_tokens(tree, (filtered_logits(logits, sampling) + noise).argmax(dim=-1), levels)
 
 
 def accept(tree: Tree, logits: torch.Tensor, sampling: SamplingConfig, seeds=None,
-           root_positions: torch.Tensor | None = None) -> Acceptance:
+           root_positions: torch.Tensor | None = None, levels: int | None = None) -> Acceptance:
+    """`accept_greedy` or `accept_sampling`; levels: see `accept_tokens`."""
     if sampling.greedy:
-        return accept_greedy(tree, logits)
-    return accept_sampling(tree, logits, sampling, seeds, root_positions)
+        return accept_greedy(tree, logits, levels)
+    return accept_sampling(tree, logits, sampling, seeds, root_positions, levels)
 
 
 @torch.no_grad()
@@ -268,13 +271,13 @@ def accept_on_path(target, tree: Tree, hidden: torch.Tensor, sampling: SamplingC
     return _acceptance(tree, node, bonus)
 
 
-def _acceptance(tree: Tree, last: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
-    # last: [B] the deepest accepted node; its ancestors, ordered by depth, are the path.
+def _acceptance(tree: Tree, last: torch.Tensor, bonus: torch.Tensor, levels: int | None = None) -> Acceptance:
+    # last: [B] the deepest accepted node; its ancestors, ordered by depth, are the path (`levels` wide).
     b, n = tree.tokens.shape
     on_path = tree.ancestors[torch.arange(b, device=last.device), last]  # [B, N]
     key = torch.where(on_path, tree.depth, n + tree.depth)  # path nodes first, by depth
     accept_length = tree.depth.gather(1, last[:, None])[:, 0]
-    width = int(tree.depth.max()) + 1
+    width = int(tree.depth.max()) + 1 if levels is None else levels
     path = key.argsort(dim=-1)[:, :width]
     # Pad each row's path by repeating its last node (never read beyond accept_length + 1).
     steps = torch.arange(width, device=last.device)[None, :]

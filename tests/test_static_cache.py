@@ -18,7 +18,7 @@ from eagle_core.decoding import DecodingState, plain_step, prefill
 from eagle_core.families import UnsupportedTarget
 from eagle_core.kv import TargetKV
 from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV
-from eagle_core.tree import TreeConfig, tree_from_parents
+from eagle_core.tree import TreeConfig, draft_tree, tree_from_parents
 from eagle_core.verify import SamplingConfig, verify_hidden
 
 # family_helpers names of the families whose decoder forward the static path reproduces (`STATIC_FAMILIES`)
@@ -78,10 +78,10 @@ def test_the_static_cache_holds_what_the_growing_cache_holds(name):
     assert int(eager.lengths.min()) > 24 + 8  # the windows and chunks of 8 were crossed several times
 
 
-def decode(target, draft, prompts, sampling, modes, static=None, join=None, leave=None, between=None):
+def decode(target, draft, prompts, sampling, modes, static=None, join=None, leave=None, between=None,
+           tree=TreeConfig(3, 4, 10)):
     """Tokens per prompt of a `DecodingState` run through `modes`: row 1 leaves before round `leave`, the `join`
     prompts (the last ones) join before round 3; `between(state)` runs before every round."""
-    tree = TreeConfig(3, 4, 10)
     first = len(prompts) - len(join or [])
     seeds = [100 + i for i in range(len(prompts))]
     state, step = DecodingState.prefill(target, draft, prompts[:first], sampling, tree, seeds[:first], static=static)
@@ -124,6 +124,18 @@ def test_static_decoding_gives_todays_tokens(kind, batch, sampling):
     assert min(map(len, eager)) >= len(MODES) + 1
     if kind == "repeating" and sampling.greedy:  # rounds accepted several tokens: keeps of several entries
         assert min(map(len, eager)) >= 2 * len(MODES)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@torch.inference_mode()
+def test_context_rounds_give_todays_tokens(sampling):
+    """Rounds with a prompt-lookup chain grafted under the tree (its own depth: the accepted path's width comes
+    from the longer of the two) give today's tokens."""
+    target = damped_tiny_llama(0.8, seed=3)
+    draft, prompts = echo_draft(target), random_prompts(3, 512, seed=5)
+    tree, modes = TreeConfig(3, 2, 6, context_chain=5), ["context", "plain", "tree", "context", "chain"] * 3
+    eager = decode(target, draft, prompts, sampling, modes, tree=tree)
+    assert decode(target, draft, prompts, sampling, modes, StaticConfig(capacity=256), tree=tree) == eager
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -191,6 +203,35 @@ def test_the_plain_step_traces_whole_and_compiles_once():
         for step in range(3):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
                 assert static.step("plain").tokens == eager.step("plain").tokens
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+@torch.inference_mode()
+def test_the_verify_step_traces_whole_and_compiles_once():
+    """The verify step (tree forward, acceptance, keep of the accepted path): one graph, no break; compiled with
+    fullgraph=True, three tree rounds run without recompiling and give the eager rounds' tokens."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_family_model("qwen2-window")  # full and sliding layers
+    prompts = random_prompts(2, 256, lo=10, hi=20, seed=1)
+    draft, tree = random_draft(target, 256), TreeConfig(3, 4, 10)
+    for sampling in (GREEDY, SAMPLED):
+        torch._dynamo.reset()
+        compiled = StaticConfig(capacity=128, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
+        states = [DecodingState.prefill(target, draft, prompts, sampling, tree, seeds=[1, 2], static=config)[0]
+                  for config in (None, StaticConfig(capacity=128), compiled)]
+        state = states[1]
+        drafted = draft_tree(draft, state.dkv, state.draft_hidden, state.root, tree)
+        state.kv._reserve(drafted.size)
+        explained = torch._dynamo.explain(state.kv._verify_step)(drafted, sampling, state.seeds,
+                                                                  tuple(draft.config.aux_layer_ids), tree.depth + 1)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        torch._dynamo.reset()
+        counters.clear()
+        eager, static = states[0], states[2]
+        for round_ in range(3):
+            with torch._dynamo.config.patch(error_on_recompile=round_ > 0):
+                assert static.step("tree").tokens == eager.step("tree").tokens
         assert counters["stats"]["unique_graphs"] == 1
 
 
