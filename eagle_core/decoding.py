@@ -311,6 +311,7 @@ class DecodingState:
         if self.context is not None and mode in ("tree", CONTEXT):
             proposals = [index.propose(self.tree.context_chain) for index in self.context]
         grafted = context_tensor(proposals, self.device) if mode == CONTEXT else None
+        self._room_for(tree.size + 1 + (0 if grafted is None else grafted.shape[1]))  # the verified tree's nodes
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
                                  self.sampling, self.seeds, self.aux_layer_ids, grafted, timer)
         self.root, self.draft_hidden = out.root, out.draft_hidden
@@ -344,6 +345,7 @@ class DecodingState:
     def _plain_step(self) -> Step:
         """With a draft, the step's features are kept (deferred) so that trees can resume later."""
         t0 = self.timer.mark()
+        self._room_for(1)
         nxt, aux = plain_step(self.target, self.kv, self.root, self.sampling, self.seeds, self.aux_layer_ids)
         if self.draft is not None:
             # Feature of the root's position pairs with the token after it (EAGLE's pairing, as in prefill).
@@ -352,6 +354,13 @@ class DecodingState:
         # No draft tokens were proposed: the step has no accept_length (tau counts speculative rounds).
         tokens = [[t] for t in nxt.tolist()]
         return Step("plain", tokens, None, 0.0, self.timer.seconds(t0, self.timer.mark()))
+
+    def _room_for(self, tokens: int) -> None:
+        """A static cache without room for the next forward's `tokens` entries hands its rows to an eager one
+        (`StaticKV.to_eager`), where decoding goes on with the same tokens."""
+        if isinstance(self.kv, StaticKV) and not self.kv.fits(tokens):
+            self.kv = self.kv.to_eager(f"a forward of {tokens} tokens past the {self.kv.width} slots in use of "
+                                       f"{self.kv.config.capacity} (StaticConfig.capacity)")
 
     def catch_up_draft_(self) -> bool:
         """Extend the draft's cache with every deferred plain step in one forward (same entries as one by one)."""
@@ -387,6 +396,11 @@ class DecodingState:
             other.catch_up_draft_()
             self.dkv.merge_(other.dkv)
             self.draft_hidden = torch.cat([self.draft_hidden, other.draft_hidden])
+        if isinstance(self.kv, StaticKV) and not self.kv.can_merge(other.kv):
+            self.kv = self.kv.to_eager(f"{other.batch_size} rows joining {self.batch_size} do not fit "
+                                       f"(StaticConfig.rows, capacity)")
+        if not isinstance(self.kv, StaticKV) and isinstance(other.kv, StaticKV):
+            other.kv = other.kv.to_eager()
         self.kv.merge_(other.kv)
         self.root = torch.cat([self.root, other.root])
         if self.seeds is not None:

@@ -17,6 +17,7 @@ import torch
 
 from eagle_core.decoding import DecodingState, Step, available_modes
 from eagle_core.policy import ModeChooser
+from eagle_core.static_kv import StaticConfig
 from eagle_core.timing import timer_for
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
@@ -122,7 +123,8 @@ class Request:
 def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int = 0, eos_token_id=None, stop: tuple[str, ...] = (), tokenizer=None,
-             mode: str = "auto", chooser: ModeChooser | None = None, on_round=None) -> GenerationResult:
+             mode: str = "auto", chooser: ModeChooser | None = None, on_round=None,
+             static: StaticConfig | None = None) -> GenerationResult:
     """Generate for a batch of prompts (token id lists of any lengths).
 
     draft=None runs the plain decoding loop; otherwise speculative decoding with `tree` (default
@@ -137,6 +139,7 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     with any tree, and whatever it is batched with. eos_token_id: an id or a list of ids that end a
     request (included in its tokens); stop: strings that end it (needs tokenizer).
     on_round(round_output, request_indices): called after every speculative round (instrumentation).
+    static: decode on the static cache (`eagle_core.static_kv`; opt-in, the same tokens), eagerly past its room.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -155,7 +158,7 @@ def generate(target, input_ids: list[list[int]], *, draft=None, tree: TreeConfig
     timer = timer_for(device)  # CUDA events on a GPU: the loop never waits for the device to time itself
     t_start = timer.mark()
     state, step = DecodingState.prefill(target, draft, input_ids, SamplingConfig(temperature, top_p, top_k),
-                                        tree, seeds=[seed + i for i in range(len(input_ids))])
+                                        tree, seeds=[seed + i for i in range(len(input_ids))], static=static)
     active = list(range(len(input_ids)))  # batch row -> request index
     while True:
         if on_round is not None and step.round is not None:

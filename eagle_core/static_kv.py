@@ -29,6 +29,7 @@ the others raise `UnsupportedTarget` and keep the eager path.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +37,7 @@ import torch
 
 from eagle_core.attention import layer_rules, our_attention, to_bias, within_span
 from eagle_core.families import UnsupportedTarget, family_name
-from eagle_core.kv import lm_logits
+from eagle_core.kv import TargetKV, lm_logits
 from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next
 
 # Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
@@ -44,6 +45,8 @@ from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next
 # the eager path). Gemma scales its embeddings, Granite multiplies them, Llama 4 tunes temperatures by the cache
 # length: not here yet.
 STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "gpt_oss"})
+
+log = logging.getLogger(__name__)
 
 
 class CacheFull(RuntimeError):
@@ -97,6 +100,27 @@ class StaticKV:
         return [*self.keys, *self.values, self._lengths]
 
     # ---- host bookkeeping --------------------------------------------------------------------------------------
+
+    def fits(self, s: int) -> bool:
+        """Whether a forward of s new tokens has room (`forward` and the steps raise `CacheFull` otherwise)."""
+        return self.width + s <= self.config.capacity
+
+    def can_merge(self, other) -> bool:
+        """Whether `merge_(other)` fits: a static cache of as many layers, into the spare rows and slots."""
+        return (isinstance(other, StaticKV) and len(other.keys) == len(self.keys)
+                and self.batch + other.batch <= self._lengths.shape[0] and other.width <= self.config.capacity)
+
+    def to_eager(self, reason: str | None = None) -> TargetKV:
+        """The same rows and entries in a growing `TargetKV`, where decoding goes on eagerly: what the static
+        cache cannot hold (a longer context, a wider tree, more rows) falls back there. `reason`: logged, once per
+        cache that falls back."""
+        if reason:
+            log.warning("static decoding falls back to eager: %s", reason)
+        kv = TargetKV(self.batch, self._lengths.device)
+        for i, (keys, values) in enumerate(zip(self.keys, self.values)):  # `write_at` copies them
+            kv.cache.update(keys[: self.batch, :, : self.width], values[: self.batch, :, : self.width], i)
+        kv.lengths = self.lengths.clone()
+        return kv
 
     def _reserve(self, s: int) -> None:
         """Before a forward of s new tokens: check the room, choose the slots attention reads (the bucket)."""
@@ -238,13 +262,10 @@ class StaticKV:
     def merge_(self, other: "StaticKV") -> None:
         """Append `other`'s rows after this cache's rows, into its spare rows (`StaticConfig.rows`). Checked before
         anything is copied: a merge that cannot fit leaves this cache as it was."""
-        if not isinstance(other, StaticKV) or len(other.keys) != len(self.keys):
-            raise ValueError("a static cache merges only a static cache of the same target")
-        n, m = self.batch, other.batch
-        if n + m > self._lengths.shape[0] or other.width > self.config.capacity:
-            raise CacheFull(f"merging {m} rows of up to {other.width} slots into a static cache of "
-                            f"{self._lengths.shape[0]} rows ({n} in use) and {self.config.capacity} slots")
-        w = other.width
+        if not self.can_merge(other):
+            raise CacheFull(f"merging {other.batch} rows of up to {other.width} slots into a static cache of "
+                            f"{self._lengths.shape[0]} rows ({self.batch} in use) and {self.config.capacity} slots")
+        n, m, w = self.batch, other.batch, other.width
         for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
             mine[n: n + m, :, :w] = theirs[:m, :, :w]
         self._lengths[n: n + m] = other.lengths

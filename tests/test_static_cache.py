@@ -6,7 +6,8 @@
   and chain rounds mixed), with rows leaving and joining, while every buffer keeps its `data_ptr()`;
 * garbage in the slots no row owns changes no token;
 * the plain step traces whole (`torch.compile(fullgraph=True)`: one graph, no break) and compiles once;
-* what does not fit is refused before anything is written; families it lacks are refused by name.
+* what does not fit is refused before anything is written, and a batch decodes on eagerly past it (one log
+  line); families it lacks are refused by name.
 """
 
 import pytest
@@ -242,11 +243,11 @@ def test_what_does_not_fit_is_refused_before_anything_is_written():
     target = tiny_family_model("llama")
     prompts = random_prompts(2, 256, lo=10, hi=20, seed=1)
     state, _ = DecodingState.prefill(target, None, prompts, GREEDY, static=StaticConfig(capacity=24))
-    kv = state.kv
+    kv, token = state.kv, state.root
     before = [t.clone() for t in kv.buffers()]
     with pytest.raises(CacheFull, match="StaticConfig.capacity"):
         while True:
-            state.step("plain")
+            token, _ = kv.plain_step(token, GREEDY)
     after = [t.clone() for t in kv.buffers()]
     assert kv.width == 24 and all(torch.equal(a, b) for a, b in zip(after, kv.buffers()))
     other, _ = DecodingState.prefill(target, None, prompts[:1], GREEDY, static=StaticConfig(capacity=24))
@@ -256,3 +257,19 @@ def test_what_does_not_fit_is_refused_before_anything_is_written():
     assert not all(torch.equal(a, b) for a, b in zip(before, after))  # the steps before did write
     with pytest.raises(UnsupportedTarget, match="Gemma 2: the static decoding path"):
         StaticKV(tiny_family_model("gemma2"), 1)
+
+
+@pytest.mark.parametrize("short", ["context", "rows"])
+@torch.inference_mode()
+def test_what_does_not_fit_decodes_on_eagerly_with_one_log_line(short, caplog):
+    """A batch whose context outgrows the capacity, or whose joining rows outnumber the spare ones, hands its rows
+    to the eager cache once (one log line saying why) and gives today's tokens."""
+    target = damped_tiny_llama(0.8, seed=3)
+    draft, prompts = echo_draft(target), random_prompts(5, 512, seed=5)
+    eager = decode(target, draft, prompts, GREEDY, MODES, join=prompts[3:], leave=2)
+    static = StaticConfig(capacity=48, rows=4) if short == "context" else StaticConfig(capacity=256, rows=3)
+    with caplog.at_level("WARNING", logger="eagle_core.static_kv"):
+        assert decode(target, draft, prompts, GREEDY, MODES, static, prompts[3:], 2) == eager
+    lines = [r.getMessage() for r in caplog.records if r.name == "eagle_core.static_kv"]
+    assert len(lines) == 1 and "falls back to eager" in lines[0]
+    assert ("StaticConfig.capacity" if short == "context" else "rows joining") in lines[0]
