@@ -17,6 +17,7 @@ from decode_helpers import damped_tiny_llama, echo_draft, random_draft, random_p
 from family_helpers import tiny_family_model
 from eagle_core.decoding import DecodingState, plain_step, prefill
 from eagle_core.families import UnsupportedTarget
+from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV
 from eagle_core.tree import TreeConfig, draft_tree, tree_from_parents
@@ -125,6 +126,19 @@ def test_static_decoding_gives_todays_tokens(kind, batch, sampling):
     assert min(map(len, eager)) >= len(MODES) + 1
     if kind == "repeating" and sampling.greedy:  # rounds accepted several tokens: keeps of several entries
         assert min(map(len, eager)) >= 2 * len(MODES)
+
+
+@pytest.mark.parametrize("name", STATIC)
+@torch.inference_mode()
+def test_every_family_it_claims_decodes_todays_tokens(name):
+    """`generate(static=...)` against `generate`, each family of `STATIC_FAMILIES` (windows of 8 crossed), a ragged
+    batch in every mode: the verify step's masks per layer kind, as the eager path's."""
+    target = tiny_family_model(name)
+    draft, prompts = random_draft(target, 256), random_prompts(3, 256, lo=10, hi=20, seed=1)
+    for mode, tree in {"plain": None, "tree": TreeConfig(4, 4, 16), "chain": TreeConfig.chain(4)}.items():
+        kw = dict(draft=None if tree is None else draft, tree=tree, mode=mode, max_new_tokens=24)
+        eager = generate(target, prompts, **kw).tokens
+        assert generate(target, prompts, static=StaticConfig(capacity=128, bucket=16), **kw).tokens == eager, mode
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
