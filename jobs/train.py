@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping norm")
     t.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
                    help="real tokens per optimiser step, over all workers together")
+    t.add_argument("--pack-length", type=int, default=d.pack_length, metavar="TOKENS",
+                   help="sequence packing: several conversations per row of this many tokens, attention and TTT "
+                   "steps kept inside each (default: one conversation per row, right-padded)")
     t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test steps")
     t.add_argument("--step-decay", type=float, default=d.step_decay, help="TTT step k's loss weight is decay**k")
     t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
@@ -166,7 +169,8 @@ def dry_run_plan(args: dict, target: str, recipe, shape, gpu_memory_gib: float):
     from pipelines.preflight import plan_extract, plan_from_manifest, plan_without_data
 
     train = {"epochs": args["epochs"], "eval_fraction": args["eval_fraction"],
-             "tokens_per_batch": args["tokens_per_batch"], "max_steps": args["max_steps"]}
+             "tokens_per_batch": args["tokens_per_batch"], "max_steps": args["max_steps"],
+             "pack_length": args["pack_length"]}
     if args["features"] is None and args["corpus"] is None:
         return plan_without_data(job="train", target=target, recipe=recipe, shape=shape, dtype=args["dtype"],
                                  num_workers=args["extract_workers"], gpus_per_worker=args["gpus_per_extract_worker"],

@@ -136,6 +136,7 @@ class RunPlan:
     eval_fraction: float = 0.0
     tokens_per_batch: int | None = None
     max_steps: int | None = None
+    pack_length: int | None = None  # training: packed rows of this many tokens (None: one conversation per row)
     streaming: bool = False
     recipe_max_length: int = 0  # the max length in force (rows are cut there when counted)
     has_data: bool = True  # False: a plan for target and recipe alone
@@ -165,6 +166,10 @@ class RunPlan:
         from eagle_core.recipe import recipe_naming
 
         out = list(self.notes)
+        if self.job == "train" and self.pack_length and self.count is not None and \
+                self.recipe_max_length > self.pack_length:
+            out.append(f"conversations are cut at {self.recipe_max_length} tokens, more than --pack-length "
+                       f"{self.pack_length}: a longer one is refused when the run is planned")
         named = recipe_naming(self.target)
         if self.recipe.targets and (named is None or named.name != self.recipe.name):
             out.append(f"recipe {self.recipe.name} is for {', '.join(self.recipe.targets)}, not {self.target}")
@@ -210,6 +215,10 @@ class RunPlan:
             out.append(f"{tag} steps: {self.steps:,} ({self.epochs} epoch(s) of {1 - self.eval_fraction:.0%} of the "
                        f"tokens, {self.tokens_per_batch:,} tokens per step"
                        + (f", capped by --max-steps {self.max_steps}" if self.max_steps is not None else "") + ")")
+        if self.job == "train":
+            out.append(f"{tag} rows: " + (f"several conversations packed into each row of {self.pack_length:,} tokens "
+                                          "(--pack-length), attention kept inside each" if self.pack_length else
+                                          "one conversation per row, right-padded to the step's longest"))
         out += [f"{tag} note: {a}" for a in self.advice()]
         return out
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
+from eagle_core.ttt_batch import document_starts, layout_batch, step_mask
 from pipelines.train.collectives import all_reduce
 from pipelines.train.shards import EVAL_DATASET, train_dataset_name
 
@@ -131,8 +132,10 @@ def decode_row(row: dict, meta: dict) -> dict:
             "last_hidden": decode_hidden(row["last_hidden"], meta["dtype"], h)}
 
 
-def collate(rows: list[dict], meta: dict, ttt_steps: int, device) -> dict:
-    """Right-pad rows to the longest: {input_ids, loss_mask, attention_mask [B, L], aux_hidden [B, L, 3H], ...}.
+def collate(rows: list[dict], meta: dict, ttt_steps: int, device, pack_length: int | None = None) -> dict:
+    """Decoded rows as a batch {input_ids, loss_mask, attention_mask [B, L], aux_hidden [B, L, 3H], ...}: one row
+    each, right-padded to the longest, or with `pack_length` packed into rows of that many tokens (plus position_ids;
+    a longer conversation is refused by name): `eagle_core.ttt_batch.layout_batch`.
 
     No rows (a rank with an empty share of a small global batch) gives one fully masked dummy row, so the
     rank still runs the forward and backward every collective expects, contributing zero loss.
@@ -140,22 +143,19 @@ def collate(rows: list[dict], meta: dict, ttt_steps: int, device) -> dict:
     h, dtype = meta["target_hidden_size"], getattr(torch, meta["dtype"])
     if not rows:
         n = ttt_steps + 2
-        rows = [{"input_ids": torch.zeros(n, dtype=torch.long), "loss_mask": torch.zeros(n, dtype=torch.long),
-                 "aux_hidden": torch.zeros(n, 3 * h, dtype=dtype), "last_hidden": torch.zeros(n, h, dtype=dtype),
-                 "dummy": True}]
-    B, L = len(rows), max(len(r["input_ids"]) for r in rows)
-    batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "loss_mask": torch.zeros(B, L, dtype=torch.long),
-             "attention_mask": torch.zeros(B, L, dtype=torch.long),
-             "aux_hidden": torch.zeros(B, L, 3 * h, dtype=dtype), "last_hidden": torch.zeros(B, L, h, dtype=dtype)}
-    for b, r in enumerate(rows):
-        n = len(r["input_ids"])
-        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
-            batch[key][b, :n] = r[key]
-        batch["attention_mask"][b, :n] = 0 if r.get("dummy") else 1
+        batch = {"input_ids": torch.zeros(1, n, dtype=torch.long), "loss_mask": torch.zeros(1, n, dtype=torch.long),
+                 "attention_mask": torch.zeros(1, n, dtype=torch.long),
+                 "aux_hidden": torch.zeros(1, n, 3 * h, dtype=dtype), "last_hidden": torch.zeros(1, n, h, dtype=dtype)}
+    else:
+        batch = layout_batch(rows, pack_length, names=[r.get("id") for r in rows])
     return {k: v.to(device) for k, v in batch.items()}
 
 
 def step_counts(batch: dict, ttt_steps: int) -> torch.Tensor:
-    """[K] loss positions of each TTT step in this batch (what `ttt_forward` counts: mask[t + k + 2])."""
-    mask = (batch["loss_mask"] * batch["attention_mask"]).float()
-    return torch.stack([mask[:, k + 2:].sum() for k in range(ttt_steps)])
+    """[K] loss positions of each TTT step in this batch: those `ttt_forward` counts (`step_mask`: loss_mask[t+k+2]
+    at a real column t, of t's conversation in a packed batch)."""
+    real = batch["attention_mask"]
+    mask = batch["loss_mask"].float() * real
+    positions = batch.get("position_ids")
+    starts = None if positions is None else document_starts(positions)
+    return torch.stack([step_mask(mask, real, mask.shape[1], k, starts).sum() for k in range(ttt_steps)])

@@ -39,6 +39,11 @@ class TrainJobConfig:
     weight_decay: float = TrainConfig.weight_decay
     max_grad_norm: float = TrainConfig.max_grad_norm
     tokens_per_batch: int = REFERENCE.tokens_per_batch  # real tokens per optimiser step, over all workers together
+    # Sequence packing: each rank lays its conversations of a step into rows of this many tokens, several per row,
+    # attention and TTT steps kept inside each conversation (eagle_core.ttt_batch); a longer conversation is refused
+    # when the run is planned. None: one conversation per row, right-padded to the step's longest. The loss is the
+    # same either way (up to float rounding), so it is no part of the training fingerprint: only the layout changes.
+    pack_length: int | None = None
     ttt_steps: int = DraftConfig.ttt_steps
     step_decay: float = TrainConfig.step_decay
     draft_vocab_size: int = DraftConfig.draft_vocab_size
@@ -64,6 +69,9 @@ class TrainJobConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.lm_head_init not in LM_HEAD_INITS:
             raise ValueError(f"lm_head_init must be one of {LM_HEAD_INITS}, got {self.lm_head_init!r}")
+        if self.pack_length is not None and self.pack_length < 1:
+            raise ValueError(f"pack_length must be a positive number of tokens (or None: no packing), got "
+                             f"{self.pack_length}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.corpus is not None and self.target is None:

@@ -12,11 +12,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from eagle_core.teacher import with_targets
-from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step
+from eagle_core.ttt import TrainConfig, batch_to, make_optimizer, make_scheduler, train_step
+from eagle_core.ttt_batch import check_batch
 from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row, step_counts
 from pipelines.train.checkpoint import full_state, is_sharded, restore_state, restore_trainer, save_checkpoint
 from pipelines.train.collectives import all_reduce, world_info
@@ -48,6 +49,7 @@ class Run:
     head: torch.Tensor  # the target's lm_head (float32)
     draft: torch.nn.Module
     objective: torch.nn.Module  # the draft's TTT forward, wrapped for DDP/FSDP
+    teacher: Callable[[dict, torch.Tensor], dict]  # a batch plus its target distribution (`TTTObjective.teacher`)
     optimizer: torch.optim.Optimizer
     scheduler: object
     sharded: bool
@@ -119,8 +121,12 @@ def setup(loop_config: dict) -> Run:
     restore_dir = Path(latest.to_directory()) if latest is not None else None
     if restore_dir is not None:
         restore_state(draft, restore_dir, state)
+    # The features' shapes (the manifest's hidden size, three aux layers) against the draft, before any step: the
+    # dummy batch is built from the same meta as every batch of the run (`check_batch` refuses it by name).
+    check_batch(draft, collate([], meta, config.ttt_steps, torch.device("cpu")), heads["lm_head"])
     sharded = is_sharded(config.strategy, world)
-    objective = wrap_objective(TTTObjective(draft, autocast=device.type == "cuda"), config.strategy, world, device)
+    base = TTTObjective(draft, autocast=device.type == "cuda")
+    objective = wrap_objective(base, config.strategy, world, device)
     tcfg = config.train_config(plan.total_steps)
     optimizer = make_optimizer(draft, tcfg)  # after wrapping: FSDP swaps the parameters for sharded ones
     scheduler = make_scheduler(optimizer, tcfg)
@@ -131,8 +137,9 @@ def setup(loop_config: dict) -> Run:
     else:
         batches = StreamedBatches(plan, config.tokens_per_batch, world, device, ray.train.get_dataset_shard)
     return Run(config=config, tcfg=tcfg, meta=meta, plan=plan, rank=rank, world=world, device=device,
-               head=heads["lm_head"], draft=draft, objective=objective, optimizer=optimizer, scheduler=scheduler,
-               sharded=sharded, batches=batches, state=state, storage_dir=loop_config["storage_dir"],
+               head=heads["lm_head"], draft=draft, objective=objective, teacher=base.teacher, optimizer=optimizer,
+               scheduler=scheduler, sharded=sharded, batches=batches, state=state,
+               storage_dir=loop_config["storage_dir"],
                mlflow=RankZeroLogger(loop_config["tracking_uri"], loop_config["mlflow_run_id"], rank == 0),
                fault_at_step=loop_config.get("fault_at_step"))
 
@@ -141,8 +148,9 @@ def train_one_step(run: Run, rows: list[dict]) -> dict:
     """One optimiser step on this rank's rows of the global batch; the global metrics of the step."""
     started = time.perf_counter()
     K = run.config.ttt_steps
-    batch = collate([decode_row(r, run.meta) for r in rows], run.meta, K, run.device)
-    batch = with_targets(batch, run.head, run.draft.d2t)  # float32, outside autocast
+    # The teacher under the objective's autocast: float32 on a CPU; on CUDA the draft-vocabulary labels from bf16
+    # inputs and the float32 argmax (`eagle_core.teacher.low_precision_teacher`), as bench.ttt measures the step.
+    batch = run.teacher(rank_batch(run, rows), run.head)
     counts = all_reduce(step_counts(batch, K).double(), run.device)
     batch["step_denominators"] = (counts.clamp(min=1) / run.world).float()
     forward = lambda _draft, *a, **k: run.objective(*a, **k)  # noqa: E731  (train_step's hook)
@@ -150,6 +158,15 @@ def train_one_step(run: Run, rows: list[dict]) -> dict:
     metrics = global_step_metrics(local, K, run.world, run.device)
     metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - started, 1e-9)
     return metrics
+
+
+def rank_batch(run: Run, rows: list[dict]) -> dict:
+    """This rank's rows as a batch on its device (packed when the job says so), refused by name (`check_batch`: shapes,
+    ids, positions, empty loss masks) on the CPU before it moves, so before the step that would use it."""
+    batch = collate([decode_row(r, run.meta) for r in rows], run.meta, run.config.ttt_steps, torch.device("cpu"),
+                    run.config.pack_length)
+    check_batch(run.draft, batch, run.head)
+    return batch_to(batch, run.device)
 
 
 def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
@@ -167,8 +184,7 @@ def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
 def held_out_eval(run: Run, epoch_data_wait_s: float | None = None) -> dict:
     """Evaluate the draft on this rank's held-out rows (summed over all ranks); log it with the epoch's data wait."""
     K = run.config.ttt_steps
-    batches = (collate([decode_row(r, run.meta) for r in rows], run.meta, K, run.device)
-               for rows in run.batches.held_out())
+    batches = (rank_batch(run, rows) for rows in run.batches.held_out())
     metrics = evaluate(run.objective, run.draft, batches, run.head, K, run.config.step_decay, run.device)
     metrics["epoch"] = run.state["epoch"]
     if epoch_data_wait_s is not None:

@@ -33,7 +33,8 @@ def evaluate(objective, draft, batches, head, ttt_steps: int, step_decay: float,
     for batch in batches:
         batch = with_targets(batch, head, draft.d2t)
         out = objective(batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"], head,
-                        attention_mask=batch["attention_mask"], ttt_steps=ttt_steps, targets=batch["targets"])
+                        attention_mask=batch["attention_mask"], ttt_steps=ttt_steps, targets=batch["targets"],
+                        position_ids=batch.get("position_ids"))
         counts = out.step_counts.double().to(device)
         sums += torch.stack([out.step_losses.double().to(device) * counts,
                              out.step_accuracies.double().to(device) * counts, counts])

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import fsspec
 import pyarrow.parquet as pq
 
+from eagle_core.ttt_batch import refuse_longer_than_row
 from pipelines.storage import join
 from pipelines.train.config import TrainJobConfig
 
@@ -145,7 +146,13 @@ def plan_steps(batches: list[list[dict]], world: int) -> list[list[dict]]:
 
 
 def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobConfig, world: int):
-    """(the TrainPlan, per rank the plan rows of every epoch [epoch][rank], per rank those of the held-out split)."""
+    """(the TrainPlan, per rank the plan rows of every epoch [epoch][rank], per rank those of the held-out split).
+
+    With packing (`config.pack_length`) a conversation longer than the row is refused here, before any worker
+    starts (BadBatch naming it)."""
+    if config.pack_length:
+        every = train_rows + eval_rows
+        refuse_longer_than_row([r["length"] for r in every], config.pack_length, [r["id"] for r in every])
     epochs = [pack_batches(epoch_order(train_rows, config.seed, e), config.tokens_per_batch)
               for e in range(config.epochs)]
     eval_batches = pack_batches(sorted(eval_rows, key=lambda r: id_hash(r["id"])), config.tokens_per_batch)
@@ -172,6 +179,8 @@ def stream_first_pass(config: TrainJobConfig, extract_config) -> dict:
             if m:
                 counts[t] = counts.get(t, 0) + 1
     light = [{"id": cid, "length": len(ids)} for cid, ids, _ in tokenized]
+    if config.pack_length:  # refused before the stream starts (see `make_plan`)
+        refuse_longer_than_row([r["length"] for r in light], config.pack_length, [r["id"] for r in light])
     train, held = split_heldout(light, config.eval_fraction)
     return {"token_counts": counts, "rows": len(light), "tokens": sum(r["length"] for r in light),
             "eval_ids": sorted(r["id"] for r in held), "train_tokens": sum(r["length"] for r in train)}
