@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_core.attention import attention_allowed, causal_mask
+from eagle_core.attention import causal_mask
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex
-from eagle_core.static_kv import StaticConfig, StaticKV
+from eagle_core.static_kv import StaticConfig, StaticDraftKV, StaticKV
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
 from eagle_core.timing import Timer, timer_for
@@ -106,7 +106,7 @@ def draft_extend(draft, dkv: DraftKV, aux: torch.Tensor, next_tokens: torch.Tens
     hidden = draft.fuse(aux)  # [B, S, H]
     position_ids = dkv.lengths[:, None] + steps
     past_width = dkv.width
-    mask = attention_allowed(dkv.lengths, past_width, causal_mask(steps < n_new[:, None]))
+    mask = dkv.attention_mask(past_width, causal_mask(steps < n_new[:, None]))
     out, _ = draft(hidden, next_tokens, position_ids, attention_mask=mask, past_kv=dkv)
     dkv.keep_new_(past_width, steps.expand(b, s), n_new)
     return out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))
@@ -162,6 +162,11 @@ class RoundOutput:
         return self.timer.seconds(self.marks[1], self.marks[2])
 
 
+def path_width(tree_config: TreeConfig, chain: int = 0) -> int:
+    """The width of a round's accepted path (root first) at most: the draft's levels or a grafted chain's, + 1."""
+    return max(tree_config.depth, chain) + 1
+
+
 def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Tensor, draft_hidden: torch.Tensor,
                        tree_config: TreeConfig, sampling: SamplingConfig, seeds, aux_layer_ids,
                        context: torch.Tensor | None = None, timer: Timer | None = None) -> RoundOutput:
@@ -176,7 +181,7 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     t1 = timer.mark()
     if isinstance(kv, StaticKV):  # forward, acceptance and keep in one step of fixed shapes (the path's width
         # from the config: draft levels, or the grafted chain's; `path_logits` is an eager CPU saving, not taken)
-        levels = max(tree_config.depth, 0 if context is None else context.shape[1]) + 1
+        levels = path_width(tree_config, 0 if context is None else context.shape[1])
         acc, aux = kv.verify(tree, sampling, seeds, aux_layer_ids, min(levels, tree.size))
     else:
         past_width, root_positions = kv.width, kv.lengths
@@ -277,7 +282,7 @@ class DecodingState:
         root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)
         dkv, draft_hidden = None, None
         if draft is not None:
-            dkv = DraftKV(len(prompts), device)
+            dkv = DraftKV(len(prompts), device) if static is None else StaticDraftKV(draft, len(prompts), static)
             draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
         state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seeds)
         first = root.tolist()
@@ -301,6 +306,9 @@ class DecodingState:
         if mode == CONTEXT and self.context is None:
             raise ValueError("mode 'context' needs a tree with context_chain > 0 (TreeConfig.context_chain)")
         tree = self.tree if mode in ("tree", CONTEXT) else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
+        chain = self.tree.context_chain if mode == CONTEXT else 0  # the longest chain a context round grafts
+        self._room_for(tree.size + 1 + chain, len(self.pending) + (tree.depth - 1) * tree.top_k
+                       + path_width(tree, chain))
         timer = self.timer
         start = timer.mark()
         caught_up = self.catch_up_draft_()
@@ -311,7 +319,6 @@ class DecodingState:
         if self.context is not None and mode in ("tree", CONTEXT):
             proposals = [index.propose(self.tree.context_chain) for index in self.context]
         grafted = context_tensor(proposals, self.device) if mode == CONTEXT else None
-        self._room_for(tree.size + 1 + (0 if grafted is None else grafted.shape[1]))  # the verified tree's nodes
         out = speculative_decode(self.target, self.draft, self.kv, self.dkv, self.root, self.draft_hidden, tree,
                                  self.sampling, self.seeds, self.aux_layer_ids, grafted, timer)
         self.root, self.draft_hidden = out.root, out.draft_hidden
@@ -355,12 +362,21 @@ class DecodingState:
         tokens = [[t] for t in nxt.tolist()]
         return Step("plain", tokens, None, 0.0, self.timer.seconds(t0, self.timer.mark()))
 
-    def _room_for(self, tokens: int) -> None:
-        """A static cache without room for the next forward's `tokens` entries hands its rows to an eager one
-        (`StaticKV.to_eager`), where decoding goes on with the same tokens."""
-        if isinstance(self.kv, StaticKV) and not self.kv.fits(tokens):
-            self.kv = self.kv.to_eager(f"a forward of {tokens} tokens past the {self.kv.width} slots in use of "
-                                       f"{self.kv.config.capacity} (StaticConfig.capacity)")
+    def _room_for(self, tokens: int, draft_tokens: int = 0) -> None:
+        """Static caches without room for a round's new entries past the committed ones (`tokens` in the target's,
+        `draft_tokens` in the draft's) hand their rows to eager ones (`to_eager`), where decoding goes on with the
+        same tokens."""
+        if not isinstance(self.kv, StaticKV):
+            return
+        for name, kv, n in (("target", self.kv, tokens), ("draft", self.dkv, draft_tokens)):
+            if kv is not None and not kv.fits(n):
+                return self._to_eager(f"{n} new entries past the {kv.width} slots in use of the {name}'s cache "
+                                      f"exceed its {kv.config.capacity} (StaticConfig.capacity)")
+
+    def _to_eager(self, reason: str | None) -> None:
+        self.kv = self.kv.to_eager(reason)
+        if isinstance(self.dkv, StaticDraftKV):
+            self.dkv = self.dkv.to_eager()
 
     def catch_up_draft_(self) -> bool:
         """Extend the draft's cache with every deferred plain step in one forward (same entries as one by one)."""
@@ -391,16 +407,18 @@ class DecodingState:
 
     def merge_(self, other: "DecodingState") -> None:
         """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
+        self._room_for(0, len(self.pending))
+        if isinstance(self.kv, StaticKV) and not (self.kv.can_merge(other.kv) and (
+                self.dkv is None or self.dkv.can_merge(other.dkv))):
+            self._to_eager(f"{other.batch_size} rows joining {self.batch_size} do not fit (StaticConfig.rows, "
+                           "capacity)")
+        if not isinstance(self.kv, StaticKV) and isinstance(other.kv, StaticKV):
+            other._to_eager(None)
         if self.dkv is not None:
             self.catch_up_draft_()  # deferred steps are per-row equal only among the old rows
             other.catch_up_draft_()
             self.dkv.merge_(other.dkv)
             self.draft_hidden = torch.cat([self.draft_hidden, other.draft_hidden])
-        if isinstance(self.kv, StaticKV) and not self.kv.can_merge(other.kv):
-            self.kv = self.kv.to_eager(f"{other.batch_size} rows joining {self.batch_size} do not fit "
-                                       f"(StaticConfig.rows, capacity)")
-        if not isinstance(self.kv, StaticKV) and isinstance(other.kv, StaticKV):
-            other.kv = other.kv.to_eager()
         self.kv.merge_(other.kv)
         self.root = torch.cat([self.root, other.root])
         if self.seeds is not None:

@@ -202,6 +202,11 @@ class DraftKV:
         self.width += k.shape[2]
         return keys, values
 
+    def attention_mask(self, past_width: int, new_mask: torch.Tensor) -> torch.Tensor:
+        """Bool [B, 1, S, width] for a draft forward whose new_mask [B, S, E] covers the E entries from slot
+        `past_width` on once it has written (a tree's earlier levels, then its own S): `attention_allowed`."""
+        return attention_allowed(self.lengths, past_width, new_mask)
+
     def keep_new_(self, past_width: int, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
         """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them."""
         new_lengths, width, slots = keep_plan(self.lengths, past_width, keep, n_keep)

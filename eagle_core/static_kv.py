@@ -37,7 +37,7 @@ import torch
 
 from eagle_core.attention import layer_rules, our_attention, to_bias, within_span
 from eagle_core.families import UnsupportedTarget, family_name
-from eagle_core.kv import TargetKV, lm_logits
+from eagle_core.kv import DraftKV, TargetKV, lm_logits
 from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next
 
 # Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
@@ -63,33 +63,21 @@ class StaticConfig:
     compile: Callable | None = None
 
 
-class StaticKV:
-    """The target's static KV cache and its forward (module docstring). Offers `TargetKV`'s interface (`lengths`,
-    `width`, `keep_new_`, `truncate_`, `select_rows_`, `merge_`), so `eagle_core.decoding` runs on either."""
+class StaticRows:
+    """Preallocated cache tensors of one or more layers and every row's length, changed in place only: what the
+    target's `StaticKV` and the draft's `StaticDraftKV` share (writes, keeps, rows leaving and joining).
 
-    def __init__(self, target, batch_size: int, config: StaticConfig | None = None):
-        config = config or StaticConfig()
-        tc = target.config
-        if getattr(tc, "model_type", None) not in STATIC_FAMILIES:
-            raise UnsupportedTarget(f"{family_name(tc)}: the static decoding path does not reproduce this family's "
-                                    "forward; it decodes eagerly")
-        devices = {p.device for p in target.parameters()}
-        if len(devices) != 1:
-            raise UnsupportedTarget("a target spread over several devices decodes eagerly (static path: one device)")
-        weight = target.get_input_embeddings().weight
-        rows = max(batch_size, config.rows)
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        shape = (rows, tc.num_key_value_heads, config.capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(tc.num_hidden_layers)]
+    `pending` (host): entries written past the committed ones since the last keep (a draft tree's levels); row
+    b's pending entry e sits at slot lengths[b] + e."""
+
+    def __init__(self, layers: int, shape: tuple, weight: torch.Tensor, batch_size: int, config: StaticConfig):
+        self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(layers)]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self._lengths = torch.zeros(rows, dtype=torch.long, device=weight.device)  # [rows]
-        self.target, self.batch, self.config = target, batch_size, config
+        self._lengths = torch.zeros(shape[0], dtype=torch.long, device=weight.device)  # [rows]
+        self.batch, self.config = batch_size, config
         self.width = 0  # host: upper bound on every row's length
+        self.pending = 0
         self.attend_width = 0  # slots the current forward's attention reads
-        self.rules = layer_rules(tc)[0]
-        self.kinds = tuple(dict.fromkeys(self.rules))  # the distinct rules, in layer order
-        wrap = config.compile or (lambda step: step)
-        self._plain, self._verify = wrap(self._plain_step), wrap(self._verify_step)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -99,16 +87,116 @@ class StaticKV:
     def buffers(self) -> list[torch.Tensor]:
         return [*self.keys, *self.values, self._lengths]
 
-    # ---- host bookkeeping --------------------------------------------------------------------------------------
-
-    def fits(self, s: int) -> bool:
-        """Whether a forward of s new tokens has room (`forward` and the steps raise `CacheFull` otherwise)."""
-        return self.width + s <= self.config.capacity
+    def fits(self, n_new: int) -> bool:
+        """Whether n_new entries past the committed ones have room (a forward raises `CacheFull` otherwise)."""
+        return self.width + n_new <= self.config.capacity
 
     def can_merge(self, other) -> bool:
-        """Whether `merge_(other)` fits: a static cache of as many layers, into the spare rows and slots."""
-        return (isinstance(other, StaticKV) and len(other.keys) == len(self.keys)
+        """Whether `merge_(other)` fits: a cache of the same kind and layers, into the spare rows and slots."""
+        return (type(other) is type(self) and len(other.keys) == len(self.keys)
                 and self.batch + other.batch <= self._lengths.shape[0] and other.width <= self.config.capacity)
+
+    def _reserve(self, n_new: int) -> None:
+        """Before a forward that leaves n_new entries past the committed ones: check the room, choose the slots
+        attention reads (the bucket)."""
+        need, capacity, bucket = self.width + n_new, self.config.capacity, self.config.bucket
+        if need > capacity:
+            raise CacheFull(f"{n_new} new entries need up to {need} slots per row; the static cache has "
+                            f"{capacity} (StaticConfig.capacity)")
+        self.attend_width = min(capacity, -(-need // bucket) * bucket)
+
+    def _allowed(self, new_mask: torch.Tensor) -> tuple:
+        """(allowed [B, S, W], committed [B, W], e [B, W]) over the W = attend_width slots: row b's query i sees its
+        committed slots (< lengths[b]) and the entries past them that new_mask [B, S, E] allows (entry e at slot
+        lengths[b] + e); e is each slot's entry index, clamped into [0, E)."""
+        b, s, n = new_mask.shape
+        slot = torch.arange(self.attend_width, device=new_mask.device)[None, :]  # [1, W]
+        rel = slot - self._lengths[:b, None]  # [B, W]: e for the new entries, < 0 for the committed ones
+        committed = rel < 0
+        e = rel.clamp(0, n - 1)
+        is_new = ~committed & (rel < n)
+        allowed = committed[:, None, :] | (is_new[:, None, :] & new_mask.gather(2, e[:, None, :].expand(b, s, -1)))
+        return allowed, committed, e
+
+    def _write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write (k, v) [B, kv, S, d] at every row's slots lengths[b] + pending + [0, S); return the slots attention
+        reads, [B, kv, attend_width, d]."""
+        b, _, s, _ = key_states.shape
+        slots = self._lengths[:b, None] + self.pending + torch.arange(s, device=key_states.device)  # [B, S]
+        index = slots[:, None, :, None].expand_as(key_states)
+        keys, values = self.keys[layer][:b], self.values[layer][:b]
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index, value_states)
+        return keys[:, :, : self.attend_width], values[:, :, : self.attend_width]
+
+    def keep_new_(self, past_width, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
+        """After a forward of S entries: keep `keep[b, :n_keep[b]]` of them (indices into the new entries), moved
+        in order to slots [lengths[b], lengths[b] + n_keep[b]). `past_width` is the growing caches' and unused: rows
+        wrote at their own lengths. Every row moves K = keep.shape[1] entries (those past n_keep land in its
+        garbage), read before any is written."""
+        self._keep(keep, n_keep)
+        self.width += keep.shape[1]
+        self.pending = 0
+
+    def _keep(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
+        b, k = keep.shape
+        lengths = self._lengths[:b]
+        src = lengths[:, None] + keep  # [B, K]
+        dst = lengths[:, None] + torch.arange(k, device=keep.device)
+        for buf in (*self.keys, *self.values):
+            rows = buf[:b]
+            shape = (b, buf.shape[1], k, buf.shape[3])
+            moved = rows.gather(2, src[:, None, :, None].expand(shape))
+            rows.scatter_(2, dst[:, None, :, None].expand(shape), moved)
+        lengths += n_keep
+
+    def truncate_(self, width: int) -> None:
+        """Forget every slot from `width` on (rows' lengths capped at it) and the pending entries (they lie past
+        the lengths already)."""
+        self.lengths.clamp_(max=width)
+        self.width, self.pending = min(self.width, width), 0
+
+    def select_rows_(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` ([B'] long, in order): moved to rows [0, B') of the same buffers."""
+        n, w = rows.numel(), self.width
+        for buf in (*self.keys, *self.values):
+            buf[:n, :, :w] = buf[rows, :, :w]  # the right side is a new tensor: read before anything is written
+        self._lengths[:n] = self._lengths[rows]
+        self.batch = n
+
+    def merge_(self, other: "StaticRows") -> None:
+        """Append `other`'s rows after this cache's rows, into its spare rows (`StaticConfig.rows`). Checked before
+        anything is copied: a merge that cannot fit leaves this cache as it was."""
+        if not self.can_merge(other):
+            raise CacheFull(f"merging {other.batch} rows of up to {other.width} slots into a static cache of "
+                            f"{self._lengths.shape[0]} rows ({self.batch} in use) and {self.config.capacity} slots")
+        n, m, w = self.batch, other.batch, other.width
+        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
+            mine[n: n + m, :, :w] = theirs[:m, :, :w]
+        self._lengths[n: n + m] = other.lengths
+        self.batch, self.width = n + m, max(self.width, w)
+
+
+class StaticKV(StaticRows):
+    """The target's static KV cache and its forward (module docstring). Offers `TargetKV`'s interface (`lengths`,
+    `width`, `keep_new_`, `truncate_`, `select_rows_`, `merge_`), so `eagle_core.decoding` runs on either."""
+
+    def __init__(self, target, batch_size: int, config: StaticConfig | None = None):
+        config = config or StaticConfig()
+        tc = target.config
+        if getattr(tc, "model_type", None) not in STATIC_FAMILIES:
+            raise UnsupportedTarget(f"{family_name(tc)}: the static decoding path does not reproduce this family's "
+                                    "forward; it decodes eagerly")
+        if len({p.device for p in target.parameters()}) != 1:
+            raise UnsupportedTarget("a target spread over several devices decodes eagerly (static path: one device)")
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        shape = (max(batch_size, config.rows), tc.num_key_value_heads, config.capacity, head_dim)
+        super().__init__(tc.num_hidden_layers, shape, target.get_input_embeddings().weight, batch_size, config)
+        self.target = target
+        self.rules = layer_rules(tc)[0]
+        self.kinds = tuple(dict.fromkeys(self.rules))  # the distinct rules, in layer order
+        wrap = config.compile or (lambda step: step)
+        self._plain, self._verify = wrap(self._plain_step), wrap(self._verify_step)
 
     def to_eager(self, reason: str | None = None) -> TargetKV:
         """The same rows and entries in a growing `TargetKV`, where decoding goes on eagerly: what the static
@@ -121,14 +209,6 @@ class StaticKV:
             kv.cache.update(keys[: self.batch, :, : self.width], values[: self.batch, :, : self.width], i)
         kv.lengths = self.lengths.clone()
         return kv
-
-    def _reserve(self, s: int) -> None:
-        """Before a forward of s new tokens: check the room, choose the slots attention reads (the bucket)."""
-        need, capacity, bucket = self.width + s, self.config.capacity, self.config.bucket
-        if need > capacity:
-            raise CacheFull(f"a forward of {s} tokens needs up to {need} slots per row; the static cache has "
-                            f"{capacity} (StaticConfig.capacity)")
-        self.attend_width = min(capacity, -(-need // bucket) * bucket)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
                 aux_layer_ids: list[int] | None = None):
@@ -195,16 +275,10 @@ class StaticKV:
         return decoder.norm(hidden), aux
 
     def _masks(self, position_ids: torch.Tensor, new_mask: torch.Tensor, dtype) -> dict:
-        """{rule: additive mask [B, 1, S, attend_width]}: row b's query i sees its committed slots (< lengths[b])
-        and the new entries j that new_mask[b, i, j] allows (at slot lengths[b] + j), within its window or chunk
+        """{rule: additive mask [B, 1, S, attend_width]}: `_allowed`, within each query's window or chunk
         (committed slot s is position s, new entry j is position_ids[b, j])."""
-        b, s = position_ids.shape
-        slot = torch.arange(self.attend_width, device=position_ids.device)[None, :]  # [1, W]
-        rel = slot - self._lengths[:b, None]  # [B, W]: j for the new entries, < 0 for the committed ones
-        committed = rel < 0
-        j = rel.clamp(0, s - 1)
-        is_new = ~committed & (rel < s)
-        allowed = committed[:, None, :] | (is_new[:, None, :] & new_mask.gather(2, j[:, None, :].expand(b, s, -1)))
+        allowed, committed, j = self._allowed(new_mask)
+        slot = torch.arange(self.attend_width, device=position_ids.device)[None, :]
         key_pos = torch.where(committed, slot, position_ids.gather(1, j))  # [B, W]
         masks = {}
         for rule in self.kinds:
@@ -213,60 +287,37 @@ class StaticKV:
         return masks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """The transformers cache call inside each attention: write the new (k, v) [B, kv, S, d] at every row's
-        slots [lengths[b], lengths[b] + S) and return the slots attention reads, [B, kv, attend_width, d]."""
-        b, _, s, _ = key_states.shape
-        slots = self._lengths[:b, None] + torch.arange(s, device=key_states.device)  # [B, S]
-        index = slots[:, None, :, None].expand_as(key_states)
-        keys, values = self.keys[layer_idx][:b], self.values[layer_idx][:b]
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
-        return keys[:, :, : self.attend_width], values[:, :, : self.attend_width]
+        """The transformers cache call inside each attention: `_write` (the forward's entries at every row's slots
+        [lengths[b], lengths[b] + S)), the slots attention reads back."""
+        return self._write(layer_idx, key_states, value_states)
 
-    # ---- keeping entries, rows joining and leaving: in place ---------------------------------------------------
 
-    def keep_new_(self, past_width, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
-        """After a forward of S entries: keep `keep[b, :n_keep[b]]` of them (indices into the new entries), moved
-        in order to slots [lengths[b], lengths[b] + n_keep[b]). `past_width` is `TargetKV`'s and unused: rows
-        wrote at their own lengths. Every row moves K = keep.shape[1] entries (those past n_keep land in its
-        garbage), read before any is written."""
-        self._keep(keep, n_keep)
-        self.width += keep.shape[1]
+class StaticDraftKV(StaticRows):
+    """The draft's cache on the static layout (`DraftKV`'s interface, one layer): a forward's entries are written
+    past the row's committed and pending ones (`update`, the draft forward's `past_kv`), a tree's levels stay
+    pending until `truncate_` drops them, `keep_new_` keeps the committed ones in place."""
 
-    def _keep(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
-        b, k = keep.shape
-        lengths = self._lengths[:b]
-        src = lengths[:, None] + keep  # [B, K]
-        dst = lengths[:, None] + torch.arange(k, device=keep.device)
-        for buf in (*self.keys, *self.values):
-            rows = buf[:b]
-            shape = (b, buf.shape[1], k, buf.shape[3])
-            moved = rows.gather(2, src[:, None, :, None].expand(shape))
-            rows.scatter_(2, dst[:, None, :, None].expand(shape), moved)
-        lengths += n_keep
+    def __init__(self, draft, batch_size: int, config: StaticConfig | None = None):
+        config = config or StaticConfig()
+        dc = draft.config
+        shape = (max(batch_size, config.rows), dc.num_key_value_heads, config.capacity, dc.head_dim)
+        super().__init__(1, shape, draft.get_parameter("fc.weight"), batch_size, config)
 
-    def truncate_(self, width: int) -> None:
-        """Forget every slot from `width` on (rows' lengths capped at it); what a forward wrote and no keep kept is
-        already beyond the lengths."""
-        self.lengths.clamp_(max=width)
-        self.width = min(self.width, width)
+    def attention_mask(self, past_width, new_mask: torch.Tensor) -> torch.Tensor:
+        """Bool [B, 1, S, attend_width] for a draft forward whose new_mask [B, S, E] covers the E entries past the
+        committed ones once it has written (the pending ones, then its own S); `past_width` is `DraftKV`'s and
+        unused. Chooses the slots the forward's `update` returns."""
+        self._reserve(new_mask.shape[-1])
+        return self._allowed(new_mask)[0][:, None]
 
-    def select_rows_(self, rows: torch.Tensor) -> None:
-        """Keep batch rows `rows` ([B'] long, in order): moved to rows [0, B') of the same buffers."""
-        n, w = rows.numel(), self.width
-        for buf in (*self.keys, *self.values):
-            buf[:n, :, :w] = buf[rows, :, :w]  # the right side is a new tensor: read before anything is written
-        self._lengths[:n] = self._lengths[rows]
-        self.batch = n
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._write(0, k, v)
+        self.pending += k.shape[2]
+        return keys, values
 
-    def merge_(self, other: "StaticKV") -> None:
-        """Append `other`'s rows after this cache's rows, into its spare rows (`StaticConfig.rows`). Checked before
-        anything is copied: a merge that cannot fit leaves this cache as it was."""
-        if not self.can_merge(other):
-            raise CacheFull(f"merging {other.batch} rows of up to {other.width} slots into a static cache of "
-                            f"{self._lengths.shape[0]} rows ({self.batch} in use) and {self.config.capacity} slots")
-        n, m, w = self.batch, other.batch, other.width
-        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
-            mine[n: n + m, :, :w] = theirs[:m, :, :w]
-        self._lengths[n: n + m] = other.lengths
-        self.batch, self.width = n + m, max(self.width, w)
+    def to_eager(self) -> DraftKV:
+        """The same rows and entries in a growing `DraftKV` (`StaticKV.to_eager`'s, for the draft)."""
+        dkv = DraftKV(self.batch, self._lengths.device)
+        dkv.update(self.keys[0][: self.batch, :, : self.width], self.values[0][: self.batch, :, : self.width])
+        dkv.lengths = self.lengths.clone()
+        return dkv

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from eagle_core.attention import attention_allowed
 from eagle_core.kv import DraftKV
 
 
@@ -241,7 +240,7 @@ def _grow(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, co
         # the committed ones and the earlier levels' entries.
         position_ids = (dkv.lengths[:, None] + (level - 1)).expand(b, k)
         new_mask = torch.cat([front_anc, eye], dim=-1)  # [B, k, E+k] over tree entries so far + new
-        mask = attention_allowed(dkv.lengths, past_width, new_mask)  # [B, 1, k, P+E+k]
+        mask = dkv.attention_mask(past_width, new_mask)  # [B, 1, k, P+E+k] (or the static cache's slots)
         out, _ = draft(front_hidden, front_tokens, position_ids, attention_mask=mask, past_kv=dkv)
 
         child_scores, child_tokens = _topk_logprobs(draft, out, k)  # [B, k, k]

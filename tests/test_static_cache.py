@@ -141,6 +141,33 @@ def test_every_family_it_claims_decodes_todays_tokens(name):
         assert generate(target, prompts, static=StaticConfig(capacity=128, bucket=16), **kw).tokens == eager, mode
 
 
+@pytest.mark.parametrize("kind", ["diverse", "repeating"])
+@torch.inference_mode()
+def test_the_static_draft_cache_grows_the_same_trees(kind):
+    """The draft's cache changes no token whatever it holds (acceptance is lossless), so it is held against the
+    eager `DraftKV` directly: every round drafts the same tree (tokens, parents) from the same draft hidden state,
+    and the rows' committed draft entries are the same, through catch-ups, tree levels and keeps."""
+    if kind == "diverse":
+        target = tiny_family_model("llama")
+        draft, prompts = random_draft(target, 256), random_prompts(3, 256, lo=10, hi=20, seed=1)
+    else:  # float64: the echo draft's near-tied scores would let float32 rounding reorder the rerank's tail
+        target = damped_tiny_llama(0.8, seed=3, dtype=torch.float64)
+        draft, prompts = echo_draft(target), random_prompts(3, 512, seed=5)
+    tree = TreeConfig(3, 4, 10)
+    eager, static = (DecodingState.prefill(target, draft, prompts, GREEDY, tree, static=config)[0]
+                     for config in (None, StaticConfig(capacity=256, bucket=16)))
+    for mode in MODES:
+        steps = [state.step(mode) for state in (eager, static)]
+        if mode != "plain":
+            mine, theirs = steps[1].round.tree, steps[0].round.tree
+            assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.parents, theirs.parents)
+            torch.testing.assert_close(static.draft_hidden, eager.draft_hidden, rtol=1e-5, atol=1e-5)
+    assert torch.equal(static.dkv.lengths, eager.dkv.lengths)
+    for row, n in enumerate(eager.dkv.lengths.tolist()):
+        torch.testing.assert_close(static.dkv.keys[0][row, :, :n], eager.dkv.k[row, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(static.dkv.values[0][row, :, :n], eager.dkv.v[row, :, :n], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @torch.inference_mode()
 def test_context_rounds_give_todays_tokens(sampling):
@@ -156,15 +183,16 @@ def test_context_rounds_give_todays_tokens(sampling):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @torch.inference_mode()
 def test_rows_leave_and_join_in_place_and_no_buffer_moves(sampling):
-    """Row 1 leaves, two prefilled rows join (into the cache's spare rows): today's tokens, and every buffer of the
-    batch's cache (keys, values, lengths) keeps its `data_ptr()` across rounds, the selection and the merge."""
+    """Row 1 leaves, two prefilled rows join (into the caches' spare rows): today's tokens, and every buffer of the
+    batch's target and draft caches (keys, values, lengths) keeps its `data_ptr()` across rounds, the selection and
+    the merge."""
     target = damped_tiny_llama(0.8, seed=3)
     draft, prompts = echo_draft(target), random_prompts(5, 512, seed=5)
     eager = decode(target, draft, prompts, sampling, MODES, join=prompts[3:], leave=2)
     seen = {}
 
     def same_buffers(state):
-        pointers = [t.data_ptr() for t in state.kv.buffers()]
+        pointers = [t.data_ptr() for kv in (state.kv, state.dkv) for t in kv.buffers()]
         assert seen.setdefault("pointers", pointers) == pointers
 
     static = StaticConfig(capacity=256, rows=4)
@@ -174,21 +202,22 @@ def test_rows_leave_and_join_in_place_and_no_buffer_moves(sampling):
 
 @torch.inference_mode()
 def test_garbage_in_unused_slots_changes_no_token():
-    """Before every round, every slot no row owns (past each row's length, and the spare rows) is filled with
-    large random values: the masks never let a query see them, so the tokens stay today's."""
+    """Before every round, every slot no row owns (past each row's length, and the spare rows) of the target's and
+    the draft's caches is filled with large random values: the masks never let a query see them, so the tokens
+    stay today's."""
     target = tiny_family_model("qwen2-window")  # full and sliding layers: both kinds of mask
     prompts = random_prompts(3, 256, lo=10, hi=20, seed=1)
     draft = random_draft(target, 256)
     g = torch.Generator().manual_seed(0)
 
     def garbage(state):
-        kv = state.kv
-        lengths = torch.zeros_like(kv._lengths)
-        lengths[: kv.batch] = kv.lengths  # spare rows own nothing
-        for buf in (*kv.keys, *kv.values):
-            unused = torch.arange(buf.shape[2])[None, :] >= lengths[:, None]  # [rows, capacity]
-            noise = torch.randn(buf.shape, generator=g, dtype=buf.dtype) * 1e3
-            buf.copy_(torch.where(unused[:, None, :, None], noise, buf))
+        for kv in (state.kv, state.dkv):
+            lengths = torch.zeros_like(kv._lengths)
+            lengths[: kv.batch] = kv.lengths  # spare rows own nothing
+            for buf in (*kv.keys, *kv.values):
+                unused = torch.arange(buf.shape[2])[None, :] >= lengths[:, None]  # [rows, capacity]
+                noise = torch.randn(buf.shape, generator=g, dtype=buf.dtype) * 1e3
+                buf.copy_(torch.where(unused[:, None, :, None], noise, buf))
 
     eager = decode(target, draft, prompts, GREEDY, MODES)
     assert decode(target, draft, prompts, GREEDY, MODES, StaticConfig(capacity=128, rows=5), between=garbage) == eager
