@@ -175,7 +175,10 @@ def speculative_decode(target, draft, kv: TargetKV, dkv: DraftKV, root: torch.Te
     device = root.device
     timer = timer or timer_for(device)
     t0 = timer.mark()
-    tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
+    if isinstance(dkv, StaticDraftKV):  # the whole loop in one step of fixed shapes
+        tree = dkv.draft_tree(draft, draft_hidden, root, tree_config)
+    else:
+        tree = draft_tree(draft, dkv, draft_hidden, root, tree_config)
     if context is not None:
         tree = graft_chain(tree, context)
     t1 = timer.mark()

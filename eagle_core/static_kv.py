@@ -38,6 +38,7 @@ import torch
 from eagle_core.attention import layer_rules, our_attention, to_bias, within_span
 from eagle_core.families import UnsupportedTarget, family_name
 from eagle_core.kv import DraftKV, TargetKV, lm_logits
+from eagle_core.tree import Tree, TreeConfig, _grow
 from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next
 
 # Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
@@ -58,8 +59,8 @@ class StaticConfig:
     capacity: int = 2048  # slots per row: prompt, answer and one verify's tree
     rows: int = 0  # batch rows allocated (0: the prefill's batch); merges fill the spare ones
     bucket: int = 64  # attention reads a multiple of this many slots: one compiled shape per bucket
-    # Wraps the plain step and the verify step once each (e.g. `lambda f: torch.compile(f, fullgraph=True)`);
-    # None: eager.
+    # Wraps the plain step, the verify step and the draft loop once each (e.g. `lambda f: torch.compile(f,
+    # fullgraph=True)`); None: eager.
     compile: Callable | None = None
 
 
@@ -302,12 +303,27 @@ class StaticDraftKV(StaticRows):
         dc = draft.config
         shape = (max(batch_size, config.rows), dc.num_key_value_heads, config.capacity, dc.head_dim)
         super().__init__(1, shape, draft.get_parameter("fc.weight"), batch_size, config)
+        self.reserved = False  # while `draft_tree` runs: the levels' slots were chosen once, on the host
+        self._grow = (config.compile or (lambda step: step))(_grow)
+
+    def draft_tree(self, draft, root_hidden: torch.Tensor, root: torch.Tensor, tree: TreeConfig) -> Tree:
+        """`eagle_core.tree.draft_tree` on this cache, the whole loop (levels, top-k, rerank, ancestor matrix) one
+        step of fixed shapes: the slots of every level are reserved here, so nothing in it reads the host's
+        bookkeeping or the device; compiled where `StaticConfig.compile` says. The levels are dropped after."""
+        self._reserve((tree.depth - 1) * tree.top_k)
+        self.reserved = True
+        try:
+            with torch.no_grad():
+                return self._grow(draft, self, root_hidden, root, tree, 0)
+        finally:
+            self.reserved, self.pending = False, 0
 
     def attention_mask(self, past_width, new_mask: torch.Tensor) -> torch.Tensor:
         """Bool [B, 1, S, attend_width] for a draft forward whose new_mask [B, S, E] covers the E entries past the
         committed ones once it has written (the pending ones, then its own S); `past_width` is `DraftKV`'s and
-        unused. Chooses the slots the forward's `update` returns."""
-        self._reserve(new_mask.shape[-1])
+        unused. Chooses the slots the forward's `update` returns, unless `draft_tree` chose them for every level."""
+        if not self.reserved:
+            self._reserve(new_mask.shape[-1])
         return self._allowed(new_mask)[0][:, None]
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@
 * decoding on it gives today's tokens (fp32, greedy and seeded sampling, batch 1 and a ragged batch, plain, tree
   and chain rounds mixed), with rows leaving and joining, while every buffer keeps its `data_ptr()`;
 * garbage in the slots no row owns changes no token;
-* the plain step traces whole (`torch.compile(fullgraph=True)`: one graph, no break) and compiles once;
+* the plain step, the verify step and the draft loop trace whole (`torch.compile(fullgraph=True)`: one graph
+  each, no break) and compile once;
 * what does not fit is refused before anything is written, and a batch decodes on eagerly past it (one log
   line); families it lacks are refused by name.
 """
@@ -20,7 +21,7 @@ from eagle_core.families import UnsupportedTarget
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV
-from eagle_core.tree import TreeConfig, draft_tree, tree_from_parents
+from eagle_core.tree import TreeConfig, _grow, tree_from_parents
 from eagle_core.verify import SamplingConfig, verify_hidden
 
 # family_helpers names of the families whose decoder forward the static path reproduces (`STATIC_FAMILIES`)
@@ -251,9 +252,10 @@ def test_the_plain_step_traces_whole_and_compiles_once():
 
 
 @torch.inference_mode()
-def test_the_verify_step_traces_whole_and_compiles_once():
-    """The verify step (tree forward, acceptance, keep of the accepted path): one graph, no break; compiled with
-    fullgraph=True, three tree rounds run without recompiling and give the eager rounds' tokens."""
+def test_the_verify_step_and_the_draft_loop_trace_whole_and_compile_once():
+    """The verify step (tree forward, acceptance, keep of the accepted path) and the draft loop (levels, top-k,
+    rerank, ancestor matrix): one graph each, no break; compiled with fullgraph=True, three tree rounds run without
+    recompiling either and give the eager rounds' tokens."""
     from torch._dynamo.utils import counters
 
     target = tiny_family_model("qwen2-window")  # full and sliding layers
@@ -265,7 +267,12 @@ def test_the_verify_step_traces_whole_and_compiles_once():
         states = [DecodingState.prefill(target, draft, prompts, sampling, tree, seeds=[1, 2], static=config)[0]
                   for config in (None, StaticConfig(capacity=128), compiled)]
         state = states[1]
-        drafted = draft_tree(draft, state.dkv, state.draft_hidden, state.root, tree)
+        state.dkv._reserve((tree.depth - 1) * tree.top_k)
+        state.dkv.reserved = True
+        explained = torch._dynamo.explain(_grow)(draft, state.dkv, state.draft_hidden, state.root, tree, 0)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        state.dkv.truncate_(state.dkv.width)
+        drafted = state.dkv.draft_tree(draft, state.draft_hidden, state.root, tree)
         state.kv._reserve(drafted.size)
         explained = torch._dynamo.explain(state.kv._verify_step)(drafted, sampling, state.seeds,
                                                                   tuple(draft.config.aux_layer_ids), tree.depth + 1)
@@ -276,7 +283,7 @@ def test_the_verify_step_traces_whole_and_compiles_once():
         for round_ in range(3):
             with torch._dynamo.config.patch(error_on_recompile=round_ > 0):
                 assert static.step("tree").tokens == eager.step("tree").tokens
-        assert counters["stats"]["unique_graphs"] == 1
+        assert counters["stats"]["unique_graphs"] == 2  # the draft loop and the verify step
 
 
 @torch.inference_mode()
