@@ -14,7 +14,8 @@
 import pytest
 import torch
 
-from decode_helpers import damped_tiny_llama, echo_draft, random_draft, random_prompts, single_thread  # noqa: F401
+from decode_helpers import (IdTokenizer, damped_tiny_llama, echo_draft, random_draft, random_prompts,  # noqa: F401
+                            run_engine, single_thread)  # (autouse fixture)
 from family_helpers import tiny_family_model
 from eagle_core.decoding import DecodingState, plain_step, prefill
 from eagle_core.families import UnsupportedTarget
@@ -179,6 +180,31 @@ def test_context_rounds_give_todays_tokens(sampling):
     tree, modes = TreeConfig(3, 2, 6, context_chain=5), ["context", "plain", "tree", "context", "chain"] * 3
     eager = decode(target, draft, prompts, sampling, modes, tree=tree)
     assert decode(target, draft, prompts, sampling, modes, StaticConfig(capacity=256), tree=tree) == eager
+
+
+@pytest.mark.parametrize("rows", [4, 2], ids=["spare-rows", "falls-back"])
+def test_the_serving_engine_on_static_caches_equals_plain(rows, caplog):
+    """The engine (no Ray) with `EngineConfig.static`: auto policy, requests arriving while others decode (joining
+    the running lane's static caches, or falling back to eager where its rows are too few), greedy and sampled
+    lanes: every request gets plain decoding's tokens."""
+    from pipelines.serve.engine import Engine, EngineConfig
+
+    target = damped_tiny_llama(0.8, seed=3)
+    prompts = random_prompts(6, 512, seed=9)
+    requests = []
+    for sampling in (GREEDY, SAMPLED):
+        plain = generate(target, prompts, max_new_tokens=16, temperature=sampling.temperature, top_p=sampling.top_p,
+                         top_k=sampling.top_k, seed=100).tokens
+        requests += [(p, 16, sampling, 100 + i, want) for i, (p, want) in enumerate(zip(prompts, plain))]
+    config = EngineConfig(TreeConfig(3, 4, 10), max_batch_size=4, max_waiting=12, explore_every=2,
+                          static=StaticConfig(capacity=128, rows=rows))
+    with caplog.at_level("WARNING", logger="eagle_core.static_kv"):
+        done = run_engine(Engine(target, IdTokenizer(), echo_draft(target), config), [r[:4] for r in requests])
+    for event, request in zip(done, requests):
+        assert event.kind == "done", event.text
+        assert event.token_ids == request[4]
+    fell_back = [r for r in caplog.records if r.name == "eagle_core.static_kv" and "rows joining" in r.getMessage()]
+    assert bool(fell_back) == (rows == 2)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

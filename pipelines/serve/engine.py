@@ -41,7 +41,9 @@ import torch
 
 from eagle_core.decoding import CONTEXT, DecodingState, Step, available_modes
 from eagle_core.generate import Request, RequestStats
+from eagle_core.kv import TargetKV
 from eagle_core.policy import ModeChooser
+from eagle_core.static_kv import StaticConfig
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 from pipelines.serve.text_stream import TextStream
@@ -105,6 +107,9 @@ class EngineConfig:
     chain_max_batch: int = 4
     mode_policy: str = "auto"
     explore_every: int = 16
+    # Decode on the static caches (`eagle_core.static_kv`, opt-in; `rows` >= max_batch_size lets joining rows in
+    # without falling back to eager); None: the growing caches.
+    static: StaticConfig | None = None
 
     def __post_init__(self):
         if self.mode_policy not in ("auto", "static"):
@@ -203,7 +208,8 @@ def _restorable(state: DecodingState) -> list[tuple[object, dict]]:
     """Shallow copies of the attributes a merge reassigns: the state's, its caches' and every cache layer's.
     A merge builds new tensors (`torch.cat`, `kv.pad_cat`) and assigns them; it never writes into the old ones,
     so putting the old references back restores the state exactly."""
-    objects = [state, state.kv, *state.kv.cache.layers]
+    # A static cache's tensors are never replaced (a merge writes its spare rows): its attributes are enough.
+    objects = [state, state.kv, *(state.kv.cache.layers if isinstance(state.kv, TargetKV) else ())]
     if state.dkv is not None:
         objects.append(state.dkv)
     return [(obj, dict(obj.__dict__)) for obj in objects]
@@ -400,7 +406,7 @@ class Engine:
         seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(2 ** 63) for r in group]
         draft = group[0].draft
         state, first = DecodingState.prefill(self.target, draft.model, [r.prompt_ids for r in group],
-                                             group[0].sampling, self.config.tree, seeds)
+                                             group[0].sampling, self.config.tree, seeds, static=self.config.static)
         for i, row in enumerate(rows):
             row.record(first, i)
         if self.metrics is not None:
