@@ -32,7 +32,7 @@ from eagle_core.draft import Eagle3Draft, repeat_kv
 from eagle_core.recipe import REFERENCE
 from eagle_core.teacher import target_distribution
 from eagle_core.ttt_batch import check_batch, document_starts, step_mask
-from eagle_core.ttt_ops import compute_dtype, soft_cross_entropy, ttt_attention
+from eagle_core.ttt_ops import block_first_keys, compute_dtype, soft_cross_entropy, ttt_attention
 
 
 NOISE_KINDS = ("none", "uniform", "gaussian")
@@ -148,6 +148,7 @@ def ttt_forward(
     loss_mask = loss_mask.float() * attention_mask.float()  # float32: counts stay exact
     positions = positions_from_mask(attention_mask) if position_ids is None else position_ids
     starts = None if position_ids is None else document_starts(position_ids)  # [B, L]: each column's conversation
+    first_keys = block_first_keys(starts, L)  # the step-0 keys each block of rows skips (packed rows only)
     key_valid = attention_mask.bool()
     n_rep = draft.num_heads // draft.num_kv_heads
 
@@ -168,7 +169,7 @@ def ttt_forward(
         else:
             diag_k.append(kk)
             diag_v.append(vv)
-        hidden = draft.finish_layer(ttt_attention(q, k0, v0, key_valid, diag_k, diag_v, starts), residual)
+        hidden = draft.finish_layer(ttt_attention(q, k0, v0, key_valid, diag_k, diag_v, starts, first_keys), residual)
         # Logits are materialised only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         logits = draft.compute_logits(hidden) if return_logits else None
         results.append((logits, *step_head_loss(draft, hidden, k, target_p, target_argmax, counted[k], head_low)))

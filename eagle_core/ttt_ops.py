@@ -40,42 +40,56 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _step0_mask(rows: slice, n_keys: int, key_valid, starts, device):
-    """bool [B, 1, rows, n_keys]: row t sees keys s <= t that are real tokens (and, with `starts` [B, L], of row t's
+def _step0_mask(rows: slice, keys: slice, key_valid, starts, device):
+    """bool [B, 1, rows, keys]: row t sees keys s <= t that are real tokens (and, with `starts` [B, L], of row t's
     conversation: s >= starts[t]), and always itself."""
     t = torch.arange(rows.start, rows.stop, device=device)[:, None]
-    s = torch.arange(n_keys, device=device)[None, :]
-    mask = (s <= t) & key_valid[:, None, None, :n_keys]
+    s = torch.arange(keys.start, keys.stop, device=device)[None, :]
+    mask = (s <= t) & key_valid[:, None, None, keys]
     if starts is not None:
         mask = mask & (s >= starts[:, None, rows, None])
     return mask | (s == t)
 
 
+def block_first_keys(starts, length: int) -> list[int] | None:
+    """Per block of ATTENTION_BLOCK query rows of a packed batch, the first step-0 key any of its rows sees: the
+    earliest conversation start among them, over the batch (`starts`: `eagle_core.ttt_batch.document_starts`).
+    The keys before it are masked for the whole block, so the blocks skip them: a packed row's attention then costs
+    about what its conversations cost one per row, not its whole causal block. None (no skipping) without `starts`.
+    One host sync; `ttt_forward` calls it once for its K steps."""
+    if starts is None:
+        return None
+    n = -(-length // ATTENTION_BLOCK)
+    padded = F.pad(starts, (0, n * ATTENTION_BLOCK - length), value=length)  # the short last block
+    return padded.view(starts.shape[0], n, ATTENTION_BLOCK).amin((0, 2)).clamp(min=0).tolist()
+
+
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, key_valid, starts, q, k0, v0, *diag):
+    def forward(ctx, key_valid, starts, first_keys, q, k0, v0, *diag):
         # q, k0, v0, diag: [B, nh, L, D] (diag = the column's keys of steps 1..k, then its values); key_valid [B, L];
-        # starts: [B, L] each column's conversation start (a packed batch) or None
+        # starts: [B, L] each column's conversation start (a packed batch) or None; first_keys: `block_first_keys`
         n = len(diag) // 2
         diag_k, diag_v = diag[:n], diag[n:]
-        ctx.starts = starts  # an index tensor, no gradient: kept on ctx with the step's other constants
+        ctx.starts, ctx.first_keys = starts, first_keys  # no gradient: kept on ctx with the step's other constants
         scale = 1.0 / math.sqrt(q.shape[-1])
         L = q.shape[2]
         with _no_autocast(q.device.type):
             d = [(q * kj).sum(-1).float() * scale for kj in diag_k]  # n x [B, nh, L]
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            for a in range(0, L, ATTENTION_BLOCK):
+            for i, a in enumerate(range(0, L, ATTENTION_BLOCK)):
                 rows = slice(a, min(a + ATTENTION_BLOCK, L))
-                keys = rows.stop  # causal: keys past the block's last row never count
-                s = (q[:, :, rows] @ k0[:, :, :keys].transpose(-1, -2)).float() * scale
+                # causal: keys past the block's last row never count; packed: nor those before its first start
+                keys = slice(first_keys[i] if first_keys else 0, rows.stop)
+                s = (q[:, :, rows] @ k0[:, :, keys].transpose(-1, -2)).float() * scale
                 s = s.masked_fill(~_step0_mask(rows, keys, key_valid, ctx.starts, q.device), float("-inf"))
                 block_lse = torch.logsumexp(s, dim=-1)
                 if d:
                     block_lse = torch.logaddexp(block_lse, torch.logsumexp(
                         torch.stack([dj[:, :, rows] for dj in d], -1), dim=-1))
                 lse[:, :, rows] = block_lse
-                o = torch.exp(s - block_lse[..., None]).to(v0.dtype) @ v0[:, :, :keys]
+                o = torch.exp(s - block_lse[..., None]).to(v0.dtype) @ v0[:, :, keys]
                 for dj, vj in zip(d, diag_v):
                     o = o + torch.exp(dj[:, :, rows] - block_lse)[..., None].to(vj.dtype) * vj[:, :, rows]
                 out[:, :, rows] = o
@@ -96,18 +110,18 @@ class _TTTAttention(torch.autograd.Function):
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             dk0 = torch.zeros_like(dq)
             dv0 = torch.zeros_like(dq)
-            for a in range(0, L, ATTENTION_BLOCK):
+            for i, a in enumerate(range(0, L, ATTENTION_BLOCK)):
                 rows = slice(a, min(a + ATTENTION_BLOCK, L))
-                keys = rows.stop
-                s = (q[:, :, rows] @ k0[:, :, :keys].transpose(-1, -2)).float() * scale
+                keys = slice(ctx.first_keys[i] if ctx.first_keys else 0, rows.stop)
+                s = (q[:, :, rows] @ k0[:, :, keys].transpose(-1, -2)).float() * scale
                 s = s.masked_fill(~_step0_mask(rows, keys, key_valid, ctx.starts, q.device), float("-inf"))
                 p = torch.exp(s - lse[:, :, rows, None])  # [B, nh, rows, keys]
                 g_rows = g[:, :, rows]
-                dv0[:, :, :keys] += p.to(q.dtype).transpose(-1, -2) @ g_rows
-                dp = (g_rows @ v0[:, :, :keys].transpose(-1, -2)).float()
+                dv0[:, :, keys] += p.to(q.dtype).transpose(-1, -2) @ g_rows
+                dp = (g_rows @ v0[:, :, keys].transpose(-1, -2)).float()
                 ds = (p * (dp - delta[:, :, rows, None])).to(q.dtype)
-                dq[:, :, rows] += ds @ k0[:, :, :keys]
-                dk0[:, :, :keys] += ds.transpose(-1, -2) @ q[:, :, rows]
+                dq[:, :, rows] += ds @ k0[:, :, keys]
+                dk0[:, :, keys] += ds.transpose(-1, -2) @ q[:, :, rows]
             dk_diag, dv_diag = [], []
             for kj, vj in zip(diag_k, diag_v):
                 pj = torch.exp((q * kj).sum(-1).float() * scale - lse)  # [B, nh, L]
@@ -117,22 +131,23 @@ class _TTTAttention(torch.autograd.Function):
                 dk_diag.append((dsj[..., None] * q.float() * scale).to(kj.dtype))
             dq = (dq * scale).to(q.dtype)
             dk0 = (dk0 * scale).to(k0.dtype)
-        return (None, None, dq, dk0, dv0.to(v0.dtype), *dk_diag, *dv_diag)
+        return (None, None, None, dq, dk0, dv0.to(v0.dtype), *dk_diag, *dv_diag)
 
 
-def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v, starts=None):
+def ttt_attention(q, k0, v0, key_valid, diag_k, diag_v, starts=None, first_keys=None):
     """Attention of one TTT step: the causal step-0 block plus per-column diagonal entries.
 
     q: [B, nh, L, D]; k0, v0: [B, nh, L, D] (kv heads already repeated); key_valid: bool [B, L] (padding = False)
     diag_k, diag_v: the same column's keys/values of steps 1..k, each [B, nh, L, D]
     starts: optional [B, L], the column where each column's conversation starts (a packed batch,
-    `eagle_core.ttt_batch.document_starts`): the step-0 keys of other conversations are masked (block-diagonal)
+    `eagle_core.ttt_batch.document_starts`): the step-0 keys of other conversations are masked (block-diagonal);
+    first_keys: `block_first_keys(starts, L)`, the keys each block of rows skips (None: none skipped)
     returns [B, nh, L, D]: softmax over {step-0 keys s <= t that are real (and of t's conversation), and t itself}
     + {the k diagonal keys}
     """
     dtype = compute_dtype(q)
     tensors = [t.to(dtype) for t in (q, k0, v0, *diag_k, *diag_v)]
-    return _TTTAttention.apply(key_valid.bool(), starts, *tensors)
+    return _TTTAttention.apply(key_valid.bool(), starts, first_keys, *tensors)
 
 
 # The lm_head weight gradient of a low-precision step: one GEMM over all rows with a float32 result (True), or a
