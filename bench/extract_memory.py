@@ -74,6 +74,7 @@ def child(args) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    load_before = os.getloadavg()[0]  # the machine is shared: its load says how much of it the run had
     start = time.perf_counter()
     manifest = run_extract(ExtractConfig(
         corpus=args.corpus, output=args.output, target=args.target, regenerate=False, max_length=64,
@@ -86,7 +87,8 @@ def child(args) -> dict:
     return {"rows": manifest.rows, "shards": len(manifest.shards), "tokens": manifest.tokens,
             "seconds": round(seconds, 1), "rss_before_mib": round(before / MIB, 1),
             "rss_peak_mib": round(peak[0] / MIB, 1),
-            "ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB, 1)}
+            "ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB, 1),
+            "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -124,9 +126,10 @@ def write_result(args, argv, runs: list[dict]) -> None:
              "of the driver process only (psutil, sampled every 20 ms during `run_extract`; `ru_maxrss` is the "
              "whole child's high-water mark).", "",
              "| corpus rows | shards | seconds | RSS before (MiB) | peak RSS in run_extract (MiB) | ru_maxrss (MiB) "
-             "| peak / smallest |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak / smallest | load (1 min) at start, end |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['corpus_rows']:,} | {r['shards']:,} | {r['seconds']} | {r['rss_before_mib']} | "
-              f"{r['rss_peak_mib']} | {r['ru_maxrss_mib']} | {r['peak_over_smallest']} |" for r in runs]
+              f"{r['rss_peak_mib']} | {r['ru_maxrss_mib']} | {r['peak_over_smallest']} | "
+              f"{', '.join(map(str, r.get('load_1min', [])))} |" for r in runs]
     if args.note:
         lines += ["", args.note]
     write_markdown(args.out, "\n".join(lines) + "\n")
