@@ -312,24 +312,23 @@ def test_the_verify_step_and_the_draft_loop_trace_whole_and_compile_once():
         assert counters["stats"]["unique_graphs"] == 2  # the draft loop and the verify step
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @torch.inference_mode()
-def test_compiled_steps_give_todays_tokens_through_mode_switches_and_rows_leaving_and_joining(sampling):
+def test_compiled_steps_give_todays_tokens_through_mode_switches_and_rows_leaving_and_joining():
     """`StaticConfig.compile` with fullgraph=True (a graph break anywhere would raise): plain, tree and chain rounds
     mixed, row 1 leaving, two rows joining. One graph per step and shape: plain, the tree's and the chain's verify
-    and draft loop, each at the batch sizes it ran at (and the capacity buckets it crossed)."""
+    and draft loop, each at the batch sizes it ran at (and the capacity buckets it crossed): 10 here. Greedy only
+    (tens of seconds of tracing on 2 cores); the compiled sampled steps are checked above."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     target = damped_tiny_llama(0.8, seed=3)
     draft, prompts = echo_draft(target), random_prompts(5, 512, seed=5)
-    eager = decode(target, draft, prompts, sampling, MODES, join=prompts[3:], leave=2)
+    eager = decode(target, draft, prompts, GREEDY, MODES, join=prompts[3:], leave=2)
     compiled = StaticConfig(capacity=256, rows=4, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
     with torch._dynamo.config.patch(recompile_limit=16):
-        assert decode(target, draft, prompts, sampling, MODES, compiled, prompts[3:], 2) == eager
-    print("unique graphs", counters["stats"]["unique_graphs"])
-    assert 5 <= counters["stats"]["unique_graphs"] <= 5 * 3 * 3  # steps x batch sizes (3, 2, 4) x buckets
+        assert decode(target, draft, prompts, GREEDY, MODES, compiled, prompts[3:], 2) == eager
+    assert 5 <= counters["stats"]["unique_graphs"] <= 15
 
 
 @torch.inference_mode()
