@@ -67,7 +67,8 @@ def planned_batches(config: TrainJobConfig, meta: dict) -> list[dict]:
                 with fsspec.open(r["file"], "rb") as f:
                     tables[r["file"]] = pq.read_table(f).to_pylist()
             rows.append(decode_row(tables[r["file"]][r["row"]], meta))
-        out.append(collate(rows, meta, config.ttt_steps, torch.device("cpu")))
+        out.append(collate(rows, meta, config.ttt_steps, torch.device("cpu"),
+                           config.row_length([len(r["input_ids"]) for r in rows])))
     return out
 
 

@@ -25,6 +25,7 @@ import sys
 from jobs.extract import add_extraction_options, add_plan_options, resolve_job_recipe, target_shape
 from pipelines.cli import defer_to_recipe, fill_from_recipe
 from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train
+from pipelines.train.config import parse_pack_length
 
 # Streaming mode: the extraction options (jobs/extract.py) that apply, with their ExtractConfig names.
 STREAM_OPTIONS = {
@@ -71,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping norm")
     t.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
                    help="real tokens per optimiser step, over all workers together")
-    t.add_argument("--pack-length", type=int, default=d.pack_length, metavar="TOKENS",
-                   help="sequence packing: several conversations per row of this many tokens, attention and TTT "
-                   "steps kept inside each (default: one conversation per row, right-padded)")
+    t.add_argument("--pack-length", type=parse_pack_length, default=d.pack_length, metavar="TOKENS|longest|none",
+                   help="sequence packing: several conversations per row of this many tokens (longest: each step's "
+                   "longest conversation), attention and TTT steps kept inside each; none: one conversation per "
+                   "row, right-padded")
     t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test steps")
     t.add_argument("--step-decay", type=float, default=d.step_decay, help="TTT step k's loss weight is decay**k")
     t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,

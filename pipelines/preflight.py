@@ -136,7 +136,7 @@ class RunPlan:
     eval_fraction: float = 0.0
     tokens_per_batch: int | None = None
     max_steps: int | None = None
-    pack_length: int | None = None  # training: packed rows of this many tokens (None: one conversation per row)
+    pack_length: int | str | None = None  # training: packed rows of this many tokens, "longest" or None (one per row)
     streaming: bool = False
     recipe_max_length: int = 0  # the max length in force (rows are cut there when counted)
     has_data: bool = True  # False: a plan for target and recipe alone
@@ -166,7 +166,7 @@ class RunPlan:
         from eagle_core.recipe import recipe_naming
 
         out = list(self.notes)
-        if self.job == "train" and self.pack_length and self.count is not None and \
+        if self.job == "train" and isinstance(self.pack_length, int) and self.count is not None and \
                 self.recipe_max_length > self.pack_length:
             out.append(f"conversations are cut at {self.recipe_max_length} tokens, more than --pack-length "
                        f"{self.pack_length}: a longer one is refused when the run is planned")
@@ -216,9 +216,14 @@ class RunPlan:
                        f"tokens, {self.tokens_per_batch:,} tokens per step"
                        + (f", capped by --max-steps {self.max_steps}" if self.max_steps is not None else "") + ")")
         if self.job == "train":
-            out.append(f"{tag} rows: " + (f"several conversations packed into each row of {self.pack_length:,} tokens "
-                                          "(--pack-length), attention kept inside each" if self.pack_length else
-                                          "one conversation per row, right-padded to the step's longest"))
+            if isinstance(self.pack_length, int):
+                rows = f"several conversations packed into each row of {self.pack_length:,} tokens"
+            elif self.pack_length:
+                rows = "several conversations packed into each row, as long as the step's longest conversation"
+            else:
+                rows = "one conversation per row, right-padded to the step's longest"
+            out.append(f"{tag} rows: {rows}" + (" (--pack-length; attention kept inside each conversation)"
+                                                if self.pack_length else " (--pack-length none)"))
         out += [f"{tag} note: {a}" for a in self.advice()]
         return out
 

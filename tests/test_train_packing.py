@@ -41,31 +41,60 @@ def _feature_rows(target, lengths=LENGTHS, seed=0):
 META = {"target_hidden_size": 64, "dtype": "float32"}
 
 
-def _run(target, pack_length):
+def _run(target, pack_length, device="cpu"):
+    """The fields of loop.Run that a step reads, as `setup` makes them (bf16 autocast on CUDA)."""
     torch.manual_seed(0)
     d2t, t2d = build_vocab_mapping(torch.randint(0, 100, (target.config.vocab_size,)), 96)
-    draft = Eagle3Draft.from_target(target, draft_vocab_size=96, d2t=d2t, t2d=t2d)
+    draft = Eagle3Draft.from_target(target, draft_vocab_size=96, d2t=d2t, t2d=t2d).to(device)
     tcfg = TrainConfig(lr=1e-3, total_steps=4, ttt_steps=K)
     optimizer = make_optimizer(draft, tcfg)
-    objective = TTTObjective(draft, autocast=False)
-    return SimpleNamespace(config=SimpleNamespace(ttt_steps=K, pack_length=pack_length), meta=META, tcfg=tcfg,
-                           device=torch.device("cpu"), world=1, draft=draft, objective=objective,
-                           teacher=objective.teacher, head=target.get_output_embeddings().weight.detach(),
+    objective = TTTObjective(draft, autocast=device == "cuda")
+    return SimpleNamespace(config=TrainJobConfig(features="x", ttt_steps=K, pack_length=pack_length), meta=META,
+                           tcfg=tcfg, device=torch.device(device), world=1, draft=draft, objective=objective,
+                           teacher=objective.teacher, head=target.get_output_embeddings().weight.detach().to(device),
                            optimizer=optimizer, scheduler=make_scheduler(optimizer, tcfg))
 
 
-def test_a_packed_step_of_the_loop_trains_as_one_conversation_per_row(tiny_target):
-    """train_one_step (a rank's step in the Ray Train loop, alone: world 1) with pack_length 16 and without: the same
-    loss, per-step losses and accuracies (float32, 1e-5 relative), tokens and gradient norm; in fewer rows."""
+@pytest.mark.parametrize("pack_length, rows_shape", [(20, (3, 20)), ("longest", (4, 16))])
+def test_a_packed_step_of_the_loop_trains_as_one_conversation_per_row(tiny_target, pack_length, rows_shape):
+    """train_one_step (a rank's step in the Ray Train loop, alone: world 1) packed (rows of 20 tokens, or of the
+    step's longest conversation, the default) and with one conversation per row: the same loss, per-step losses and
+    accuracies (float32, 1e-5 relative), tokens and gradient norm; in fewer rows."""
     rows = _feature_rows(tiny_target)
-    packed, plain = _run(tiny_target, 16), _run(tiny_target, None)
-    assert rank_batch(packed, rows)["input_ids"].shape == (4, 16)
+    packed, plain = _run(tiny_target, pack_length), _run(tiny_target, "none")
+    assert rank_batch(packed, rows)["input_ids"].shape == rows_shape
     assert rank_batch(plain, rows)["input_ids"].shape == (7, 16)
     a, b = train_one_step(packed, rows), train_one_step(plain, rows)
     for key in ["loss", "grad_norm"] + [f"loss_{k}" for k in range(K)]:
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
     for key in ["tokens"] + [f"acc_{k}" for k in range(K)]:
         assert a[key] == b[key], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the loop's low-precision teacher")
+def test_the_loop_step_takes_the_low_precision_teacher_on_cuda(tiny_target, monkeypatch):
+    """On CUDA the loop's teacher runs under the objective's bf16 autocast: `low_precision_teacher`, once a step (as
+    bench.ttt measures the step), and the step's loss stays near the float32 teacher's."""
+    from eagle_core import teacher
+
+    calls = []
+    real = teacher.low_precision_teacher
+    monkeypatch.setattr(teacher, "low_precision_teacher", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows = _feature_rows(tiny_target)
+    mixed = train_one_step(_run(tiny_target, "longest", "cuda"), rows)
+    assert calls == [1]
+    exact = train_one_step(_run(tiny_target, "longest"), rows)
+    assert mixed["loss"] == pytest.approx(exact["loss"], rel=2e-2)
+
+
+def test_pack_length_takes_tokens_longest_or_none():
+    assert TrainJobConfig(features="x").pack_length == "longest"
+    assert TrainJobConfig(features="x").row_length([5, 12, 7]) == 12
+    assert TrainJobConfig(features="x", pack_length="none").row_length([5, 12]) is None
+    assert TrainJobConfig(features="x", pack_length="4096").row_length([5, 12]) == 4096
+    for bad in (0, -3, "long", 2.5):
+        with pytest.raises(ValueError, match="pack_length must be a positive number of tokens"):
+            TrainJobConfig(features="x", pack_length=bad)
 
 
 def test_step_counts_are_those_the_ttt_step_counts(tiny_target):
@@ -88,9 +117,8 @@ def test_the_plan_refuses_a_conversation_longer_than_the_packed_row_by_name():
     config = TrainJobConfig(features="x", tokens_per_batch=100, pack_length=64)
     with pytest.raises(BadBatch, match=r"\('c1', 80\).*longer than a packed row of 64 tokens"):
         make_plan(rows[:2], rows[2:], config, world=2)
-    make_plan(rows, [], TrainJobConfig(features="x", tokens_per_batch=100), world=2)  # no packing: no limit
-    with pytest.raises(ValueError, match="pack_length must be a positive"):
-        TrainJobConfig(features="x", pack_length=0)
+    for fits_all in ("longest", None):  # rows as long as each step's longest, or one per row: no limit
+        make_plan(rows, [], TrainJobConfig(features="x", tokens_per_batch=100, pack_length=fits_all), world=2)
 
 
 def test_the_loop_refuses_a_bad_batch_before_its_step(tiny_target):
@@ -108,27 +136,28 @@ def test_the_loop_refuses_a_bad_batch_before_its_step(tiny_target):
 def test_features_of_another_hidden_size_are_refused_at_setup(tiny_target):
     """setup checks the dummy batch built from the features' manifest against the draft before any step: features
     of a target with another hidden size are refused by name there."""
-    run = _run(tiny_target, None)
+    run = _run(tiny_target, "none")
     check_batch(run.draft, collate([], META, K, "cpu"), run.head)
     with pytest.raises(BadBatch, match=r"last_hidden is \[1, 5, 128\]; this draft needs \[1, 5, 64\]"):
         check_batch(run.draft, collate([], {**META, "target_hidden_size": 128}, K, "cpu"), run.head)
 
 
-def test_a_packed_two_worker_job_follows_the_unpacked_single_worker_run(features, clean, tmp_path):
-    """End to end (Ray Train, features mode): two workers packing their share of each step into rows of 64 tokens
-    follow the single-worker run with one conversation per row: the same loss and step-0 accuracy curves (the
-    tolerance of the two-worker test in test_train.py) and the same draft."""
+def test_an_unpacked_two_worker_job_follows_the_packed_single_worker_run(features, clean, tmp_path):
+    """End to end (Ray Train, features mode): two workers with one conversation per row follow the single-worker run
+    of test_train.py, which packs (the default, rows of each step's longest conversation): the same loss and step-0
+    accuracy curves (the tolerance of the two-worker test there) and the same draft."""
     from test_train import STEPS_COMPARED, history, job, weights
 
     from pipelines.train import run_train
 
-    packed = run_train(job(features, tmp_path / "packed", num_workers=2, pack_length=64))
-    assert packed["total_steps"] == clean["total_steps"] >= 8
+    assert job(features, tmp_path).pack_length == "longest"  # what the `clean` run packed with
+    unpacked = run_train(job(features, tmp_path / "unpacked", num_workers=2, pack_length=None))
+    assert unpacked["total_steps"] == clean["total_steps"] >= 8
     for key in STEPS_COMPARED:
-        one, two = history(clean["mlflow_run_id"], key), history(packed["mlflow_run_id"], key)
+        one, two = history(clean["mlflow_run_id"], key), history(unpacked["mlflow_run_id"], key)
         assert len(one) == len(two) == clean["total_steps"]
         assert torch.allclose(torch.tensor(two), torch.tensor(one), rtol=1e-4, atol=1e-5), key
-    a, b = weights(clean), weights(packed)
+    a, b = weights(clean), weights(unpacked)
     for name in a:
         assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
 
@@ -146,6 +175,9 @@ def test_the_dry_run_says_how_rows_are_laid_out(tiny_target_dir, tmp_path, capsy
     argv = ["--recipe", "llama3.1-8b-instruct", "--target", str(tiny_target_dir), "--corpus", str(corpus),
             "--dry-run"]
     assert main(argv) == 0
+    assert "[train] rows: several conversations packed into each row, as long as the step's longest" in \
+        capsys.readouterr().out
+    assert main(argv + ["--pack-length", "none"]) == 0
     assert "[train] rows: one conversation per row, right-padded" in capsys.readouterr().out
     assert main(argv + ["--pack-length", "512"]) == 0
     out = capsys.readouterr().out

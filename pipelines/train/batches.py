@@ -134,8 +134,9 @@ def decode_row(row: dict, meta: dict) -> dict:
 
 def collate(rows: list[dict], meta: dict, ttt_steps: int, device, pack_length: int | None = None) -> dict:
     """Decoded rows as a batch {input_ids, loss_mask, attention_mask [B, L], aux_hidden [B, L, 3H], ...}: one row
-    each, right-padded to the longest, or with `pack_length` packed into rows of that many tokens (plus position_ids;
-    a longer conversation is refused by name): `eagle_core.ttt_batch.layout_batch`.
+    each, right-padded to the longest, or with `pack_length` (a number of tokens: `TrainJobConfig.row_length`) packed
+    into rows of that many tokens (plus position_ids; a longer conversation is refused by name):
+    `eagle_core.ttt_batch.layout_batch`.
 
     No rows (a rank with an empty share of a small global batch) gives one fully masked dummy row, so the
     rank still runs the forward and backward every collective expects, contributing zero loss.

@@ -163,8 +163,9 @@ def train_one_step(run: Run, rows: list[dict]) -> dict:
 def rank_batch(run: Run, rows: list[dict]) -> dict:
     """This rank's rows as a batch on its device (packed when the job says so), refused by name (`check_batch`: shapes,
     ids, positions, empty loss masks) on the CPU before it moves, so before the step that would use it."""
-    batch = collate([decode_row(r, run.meta) for r in rows], run.meta, run.config.ttt_steps, torch.device("cpu"),
-                    run.config.pack_length)
+    decoded = [decode_row(r, run.meta) for r in rows]
+    batch = collate(decoded, run.meta, run.config.ttt_steps, torch.device("cpu"),
+                    run.config.row_length([len(r["input_ids"]) for r in decoded]))
     check_batch(run.draft, batch, run.head)
     return batch_to(batch, run.device)
 

@@ -150,7 +150,7 @@ def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobCon
 
     With packing (`config.pack_length`) a conversation longer than the row is refused here, before any worker
     starts (BadBatch naming it)."""
-    if config.pack_length:
+    if isinstance(config.pack_length, int):  # "longest" fits every conversation
         every = train_rows + eval_rows
         refuse_longer_than_row([r["length"] for r in every], config.pack_length, [r["id"] for r in every])
     epochs = [pack_batches(epoch_order(train_rows, config.seed, e), config.tokens_per_batch)
@@ -162,8 +162,14 @@ def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobCon
     return plan, [plan_steps(b, world) for b in epochs], plan_steps(eval_batches, world)
 
 
-def stream_first_pass(config: TrainJobConfig, extract_config) -> dict:
-    """Token counts and lengths of the corpus after the chat template and loss mask (no target forward)."""
+def stream_first_pass(config: TrainJobConfig, extract_config, chunk_rows: int = 1024) -> dict:
+    """Token counts and lengths of the corpus after the chat template and loss mask (no target forward).
+
+    The conversations stream from Ray's object store `chunk_rows` at a time and are tokenised as they come: the
+    driver keeps the token counts and an {id, length} per conversation (what the held-out split needs), never the
+    conversations themselves (as the extraction driver, `pipelines.extract`)."""
+    from itertools import islice
+
     from transformers import AutoTokenizer
 
     from eagle_core.features import tokenize_for_training
@@ -171,15 +177,17 @@ def stream_first_pass(config: TrainJobConfig, extract_config) -> dict:
     from pipelines.data import ingest
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_hf_folder(config.target))
-    rows = ingest(extract_config.corpus, limit=extract_config.limit).dataset.take_all()
-    tokenized, _ = tokenize_for_training(tokenizer, rows, extract_config.max_length)
+    rows = ingest(extract_config.corpus, limit=extract_config.limit).dataset.iter_rows()
     counts: dict[int, int] = {}
-    for _, ids, mask in tokenized:
-        for t, m in zip(ids, mask):
-            if m:
-                counts[t] = counts.get(t, 0) + 1
-    light = [{"id": cid, "length": len(ids)} for cid, ids, _ in tokenized]
-    if config.pack_length:  # refused before the stream starts (see `make_plan`)
+    light = []
+    while chunk := list(islice(rows, chunk_rows)):  # each conversation is tokenised alone: chunks change nothing
+        tokenized, _ = tokenize_for_training(tokenizer, chunk, extract_config.max_length)
+        for cid, ids, mask in tokenized:
+            for t, m in zip(ids, mask):
+                if m:
+                    counts[t] = counts.get(t, 0) + 1
+            light.append({"id": cid, "length": len(ids)})
+    if isinstance(config.pack_length, int):  # refused before the stream starts (see `make_plan`)
         refuse_longer_than_row([r["length"] for r in light], config.pack_length, [r["id"] for r in light])
     train, held = split_heldout(light, config.eval_fraction)
     return {"token_counts": counts, "rows": len(light), "tokens": sum(r["length"] for r in light),
