@@ -28,7 +28,7 @@ import torch
 from eagle_core.attention import causal_mask
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex
-from eagle_core.static_kv import StaticConfig, StaticDraftKV, StaticKV
+from eagle_core.static_kv import StaticConfig, StaticDraftKV, StaticKV, verify_width
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
 from eagle_core.timing import Timer, timer_for
@@ -310,7 +310,7 @@ class DecodingState:
             raise ValueError("mode 'context' needs a tree with context_chain > 0 (TreeConfig.context_chain)")
         tree = self.tree if mode in ("tree", CONTEXT) else TreeConfig.chain(self.tree.depth, self.tree.path_logits)
         chain = self.tree.context_chain if mode == CONTEXT else 0  # the longest chain a context round grafts
-        self._room_for(tree.size + 1 + chain, len(self.pending) + (tree.depth - 1) * tree.top_k
+        self._room_for(verify_width(tree.size + 1 + chain), len(self.pending) + (tree.depth - 1) * tree.top_k
                        + path_width(tree, chain))
         timer = self.timer
         start = timer.mark()

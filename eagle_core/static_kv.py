@@ -49,6 +49,31 @@ STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 
 log = logging.getLogger(__name__)
 
+# A verified tree is padded to the first of these node counts it fits (wider ones keep their own): trees of one
+# bucket share one compiled verify step (a context chain's length, a draft's size vary from round to round).
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
+
+
+def verify_width(n: int) -> int:
+    """The node count a tree of n nodes is verified at: its `WIDTH_BUCKETS` width, or n past the widest (>= n)."""
+    return next((w for w in WIDTH_BUCKETS if w >= n), n)
+
+
+def padded_tree(tree: Tree, width: int) -> Tree:
+    """`tree` [B, N] as the verify step sees it: width - N padding nodes after its own (token 0 at depth 0 under
+    the root, each seeing the committed prefix and itself only), its draft size the width and nothing else (no
+    score, no context chain), so trees of one width trace alike. A padding node is never accepted (depth 0 never
+    deepens a path: the root, first, wins the tie), so never kept, and no real node sees one; `forward_tokens`
+    clamps a context chain's NO_TOKEN slots as before, and acceptance still reads them as unacceptable."""
+    b, n = tree.tokens.shape
+    zeros = tree.tokens.new_zeros(b, max(width - n, 0))
+    ancestors = torch.zeros(b, width, width, dtype=torch.bool, device=tree.tokens.device)
+    ancestors[:, :n, :n] = tree.ancestors
+    ancestors[:, n:, n:] = torch.eye(width - n, dtype=torch.bool, device=tree.tokens.device)
+    return Tree(tokens=torch.cat([tree.tokens, zeros], 1), parents=torch.cat([tree.parents, zeros], 1),
+                depth=torch.cat([tree.depth, zeros], 1), ancestors=ancestors, rank=torch.cat([tree.rank, zeros], 1),
+                draft_size=width)
+
 
 class CacheFull(RuntimeError):
     """A forward would write past the cache's capacity (slots per row) or a merge past its rows."""
@@ -233,13 +258,15 @@ class StaticKV(StaticRows):
                levels: int) -> tuple[Acceptance, torch.Tensor | None]:
         """One tree round's target work in one step: the forward over the flattened tree, acceptance (on every
         node's logits: `accept`) and the keep of the accepted path. levels: at least the tree's depth + 1, at most
-        its size (the accepted path's width, known on the host: nothing is read back from the device). Returns
-        (acceptance, aux [B, N, 3H] or None)."""
-        self._reserve(tree.size)
+        its size (the accepted path's width, known on the host: nothing is read back from the device). The tree is
+        padded to its `WIDTH_BUCKETS` width (`padded_tree`). Returns (acceptance, aux [B, N, 3H] or None)."""
+        n = tree.size
+        padded = padded_tree(tree, verify_width(n))
+        self._reserve(padded.size)
         with our_attention(self.target.model):
-            out = self._verify(tree, sampling, seeds, tuple(aux_layer_ids or ()), levels)
+            acc, aux = self._verify(padded, sampling, seeds, tuple(aux_layer_ids or ()), levels)
         self.width += levels
-        return out
+        return acc, None if aux is None else aux[:, :n]
 
     # ---- device work: tensors of fixed shapes only (what a compiled step traces) --------------------------------
 

@@ -20,19 +20,20 @@ from family_helpers import tiny_family_model
 from eagle_core.decoding import DecodingState, plain_step, prefill
 from eagle_core.families import UnsupportedTarget
 from eagle_core.generate import generate
-from eagle_core.kv import TargetKV
+from eagle_core.kv import TargetKV, lm_logits
 from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV
 from eagle_core.tree import TreeConfig, _grow, tree_from_parents
-from eagle_core.verify import SamplingConfig, verify_hidden
+from eagle_core.verify import SamplingConfig, accept, verify_hidden
 
 # family_helpers names of the families whose decoder forward the static path reproduces (`STATIC_FAMILIES`)
 STATIC = ["llama", "mistral-window", "qwen2-window", "qwen3", "qwen3-moe", "phi3", "olmo2", "gpt-oss"]
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, top_k=50)
 
 
-def random_tree(b: int, n: int, vocab: int, g: torch.Generator):
-    """B random trees of n nodes (each node's parent drawn among the earlier ones)."""
-    parents = torch.stack([torch.randint(0, max(i, 1), (b,), generator=g) for i in range(n)], dim=1)
+def random_tree(b: int, n: int, vocab: int, g: torch.Generator, among: int | None = None):
+    """B random trees of n nodes (each node's parent drawn among the earlier ones, or the first `among` of them:
+    then no deeper than `among`)."""
+    parents = torch.stack([torch.randint(0, max(min(i, among or i), 1), (b,), generator=g) for i in range(n)], dim=1)
     return tree_from_parents(torch.randint(3, vocab, (b, n), generator=g), parents)
 
 
@@ -310,6 +311,37 @@ def test_the_verify_step_and_the_draft_loop_trace_whole_and_compile_once():
             with torch._dynamo.config.patch(error_on_recompile=round_ > 0):
                 assert static.step("tree").tokens == eager.step("tree").tokens
         assert counters["stats"]["unique_graphs"] == 2  # the draft loop and the verify step
+
+
+@torch.inference_mode()
+def test_trees_of_one_width_bucket_share_one_compiled_verify():
+    """Trees of 9, 12 and 16 nodes are verified padded to 16 nodes, one of 5 to 8 (`WIDTH_BUCKETS`): two compiled
+    graphs for four sizes, and every acceptance (path, accepted length, bonus) and every node's aux is the eager
+    verify's (the padding nodes are never accepted, never kept and seen by no real node)."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_family_model("llama")
+    prompts, aux_ids = random_prompts(3, 256, lo=10, hi=20, seed=1), [1, 2, 3]
+    compiled = StaticConfig(capacity=160, bucket=160,  # one attention width throughout
+                            compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
+    eager, static = TargetKV(3, "cpu"), StaticKV(target, 3, compiled)
+    for kv in (eager, static):
+        prefill(target, kv, prompts, aux_ids)
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    for n in (9, 12, 16, 5):
+        tree = random_tree(3, n, 256, g, among=4)  # depth <= 4: the accepted path is at most 5 wide
+        past = eager.width
+        hidden, aux = verify_hidden(target, eager, tree, aux_ids)
+        want = accept(tree, lm_logits(target, hidden), GREEDY)
+        eager.keep_new_(past, want.path, want.accept_length + 1)
+        got, static_aux = static.verify(tree, GREEDY, None, aux_ids, 5)
+        width = want.path.shape[1]
+        assert torch.equal(got.path[:, :width], want.path) and torch.equal(got.accept_length, want.accept_length)
+        assert torch.equal(got.bonus, want.bonus) and torch.equal(static.lengths, eager.lengths)
+        torch.testing.assert_close(static_aux, aux, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 @torch.inference_mode()
