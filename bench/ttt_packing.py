@@ -24,10 +24,11 @@ from eagle_core.ttt_batch import layout_batch
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 64, 128, 256, 96, 384, 200, 160])
-    p.add_argument("--pack-length", type=int, default=512)
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 64, 128, 256, 96, 384, 200, 160],
+                   help="the conversations' lengths in tokens")
+    p.add_argument("--pack-length", type=int, default=512, help="the packed layout's row length in tokens")
+    p.add_argument("--ttt-steps", type=int, default=3, help="TTT steps of the step")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the draft's shape (bench.ttt's table)")
     p.add_argument("--iters", type=int, default=4, help="timed steps per layout (the first is dropped)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
