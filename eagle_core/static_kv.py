@@ -236,6 +236,7 @@ class StaticKV(StaticRows):
         kv.lengths = self.lengths.clone()
         return kv
 
+    @torch.no_grad()  # decoding: no autograd graph through the buffers, whatever the caller's mode
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
                 aux_layer_ids: list[int] | None = None):
         """`eagle_core.kv.target_forward` on this cache: (hidden [B, S, H] after the final norm, aux [B, S, 3H] or
@@ -244,6 +245,7 @@ class StaticKV(StaticRows):
         with our_attention(self.target.model):
             return self._forward(input_ids, position_ids, new_mask, tuple(aux_layer_ids or ()))
 
+    @torch.no_grad()  # decoding: no autograd graph through the buffers, whatever the caller's mode
     def plain_step(self, token: torch.Tensor, sampling: SamplingConfig, seeds=None,
                    aux_layer_ids: list[int] | None = None):
         """`eagle_core.decoding.plain_step` on this cache: token [B] -> (next token [B], aux [B, 1, 3H] or None),
@@ -254,6 +256,7 @@ class StaticKV(StaticRows):
         self.width += 1
         return out
 
+    @torch.no_grad()  # decoding: no autograd graph through the buffers, whatever the caller's mode
     def verify(self, tree, sampling: SamplingConfig, seeds, aux_layer_ids: list[int] | None,
                levels: int) -> tuple[Acceptance, torch.Tensor | None]:
         """One tree round's target work in one step: the forward over the flattened tree, acceptance (on every
