@@ -13,6 +13,10 @@ Per target:
   aux capture, lm_head on every node) of 1-64 new tokens on a cache of `--context-tokens`, and transformers' own
   forward of the same tokens (its DynamicCache, logits of every token), each against its one-token time;
 * plain: our plain step (`eagle_core.decoding.plain_step`) against transformers' one-token forward;
+* static: the static path (`eagle_core.static_kv`): its plain step and its verify step (forward, acceptance and
+  keep) at every width, uncompiled and, with `--compile MODE`, compiled (`torch.compile(fullgraph=True,
+  dynamic=False)`, MODE "reduce-overhead" capturing CUDA graphs), each against the eager plain step; and 32 greedy
+  plain steps of each against the eager loop's tokens (`tokens_equal_eager`), with the compile time;
 * draft: one draft level of an EAGLE-3 draft of the target's shape (`eagle_core.autotune.draft_cases` at depth 1
   and 7 of the recipes' top-k 10: (t7 - t1) / 6);
   all of these timed together, round-robin (`eagle_core.autotune.timed`, the CPU cost table's timer), so a
@@ -49,9 +53,11 @@ from eagle_core.autotune import draft_cases, target_forward_cases, timed
 from eagle_core.decoding import clock, plain_step, prefill
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.kv import TargetKV, _cache_kwarg
+from eagle_core.static_kv import StaticConfig, StaticKV
 from eagle_core.target import default_aux_layer_ids
 from eagle_core.capture import capture_features
 from eagle_core.teacher import with_targets
+from eagle_core.tree import tree_from_parents
 from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step, ttt_forward
 from eagle_core.verify import SamplingConfig
 
@@ -253,13 +259,20 @@ def decode_costs(model, draft, opts, device: torch.device) -> dict:
         prefill(model, kv, [ids[0, :context].tolist()], aux)
     token = ids[0, context: context + 1]
     depths = sorted({1, opts.depth})
+    static_checks, static_cases = static_path(model, opts, ids, context, aux)
     ms = timed(device, {
         "verify": target_forward_cases(model, widths, context, aux),
         "transformers": {w: transformers_forward(w) for w in widths},
         "plain": {1: (lambda: plain_step(model, kv, token, SamplingConfig(), None, aux),
                       lambda: kv.truncate_(context))},
-        "draft": draft_cases(draft, opts.top_k, depths, context)}, opts.repeats)
+        "draft": draft_cases(draft, opts.top_k, depths, context), **static_cases}, opts.repeats)
     verify, hf = ms["verify"], ms["transformers"]
+    static = {name: {"plain_step_ms": ms[f"{name} plain"][1],
+                     "plain_over_eager": ms[f"{name} plain"][1] / ms["plain"][1],
+                     "verify_ms": {str(w): ms[f"{name} verify"][w] for w in widths},
+                     "verify_over_eager_plain_step": {str(w): ms[f"{name} verify"][w] / ms["plain"][1]
+                                                      for w in widths},
+                     **static_checks[name]} for name in static_checks}
     level = (ms["draft"][depths[-1]] - ms["draft"][depths[0]]) / max(depths[-1] - depths[0], 1)
     return {
         "context_tokens": context, "repeats": opts.repeats,
@@ -274,7 +287,48 @@ def decode_costs(model, draft, opts, device: torch.device) -> dict:
                   "ours_over_transformers": ms["plain"][1] / hf[1]},
         "draft": {"top_k": opts.top_k, "depth_ms": {str(d): ms["draft"][d] for d in depths},
                   "level_ms": level, "draft_vocab_size": draft.config.draft_vocab_size},
+        "static": static,
     }
+
+
+def static_path(model, opts, ids, context: int, aux) -> tuple[dict, dict]:
+    """({variant: {tokens_equal_eager, compile_s}}, timing cases) of the static path: "static" (uncompiled) and,
+    with --compile, "compiled". Each variant's cache is prefilled with the same context; 32 greedy plain steps from
+    it are held against the eager loop's tokens (the compiled variant compiles there, timed), then the cases time
+    a plain step and a verify step of every width, each rolled back after (`truncate_`)."""
+    greedy, widths, steps = SamplingConfig(), list(opts.widths), 32
+    prompt, first = [ids[0, :context].tolist()], ids[0, context: context + 1]
+    variants = {"static": StaticConfig(capacity=context + steps + 2 * max(widths))}
+    if opts.compile != "none":
+        mode = None if opts.compile == "default" else opts.compile
+        variants["compiled"] = StaticConfig(capacity=context + steps + 2 * max(widths), compile=lambda f: torch.compile(
+            f, fullgraph=True, dynamic=False, mode=mode))
+    trees = {w: tree_from_parents(ids[:, context: context + w], torch.clamp(torch.arange(w) - 1, min=0)[None].to(
+        ids.device)) for w in widths}  # chains: a verify's cost depends on its width, not its shape
+
+    def greedy_tokens(kv) -> tuple[list[int], float]:
+        with torch.inference_mode():
+            prefill(model, kv, prompt, aux)
+            token, out, t0 = first, [], clock(ids.device)
+            for _ in range(steps):
+                token, _ = plain_step(model, kv, token, greedy, None, aux)
+                out.append(int(token))
+            seconds = clock(ids.device) - t0
+        kv.truncate_(context)
+        return out, seconds
+
+    eager_tokens, _ = greedy_tokens(TargetKV(1, ids.device))
+    checks, cases = {}, {}
+    for name, config in variants.items():
+        kv = StaticKV(model, 1, config)
+        tokens, seconds = greedy_tokens(kv)
+        checks[name] = {"tokens_equal_eager": tokens == eager_tokens, "greedy_steps": steps,
+                        "first_steps_s": seconds}  # includes the compilation for "compiled"
+        cases[f"{name} plain"] = {1: (lambda kv=kv: plain_step(model, kv, first, greedy, None, aux),
+                                      lambda kv=kv: kv.truncate_(context))}
+        cases[f"{name} verify"] = {w: (lambda kv=kv, w=w: kv.verify(trees[w], greedy, None, aux, w),
+                                       lambda kv=kv: kv.truncate_(context)) for w in widths}
+    return checks, cases
 
 
 def extraction(model, opts, device: torch.device) -> dict:
@@ -443,6 +497,13 @@ def markdown(result: dict) -> str:
                       f"({_num(d['plain']['ours_over_transformers'])}×). One draft level (top-k "
                       f"{d['draft']['top_k']}, draft vocabulary {d['draft']['draft_vocab_size']}): "
                       f"{_num(d['draft']['level_ms'])} ms.", ""]
+            for name, st in d.get("static", {}).items():
+                same = "equal" if st["tokens_equal_eager"] else "DIFFER FROM"
+                lines += [f"Static path ({name}): plain step {_num(st['plain_step_ms'])} ms "
+                          f"({_num(st['plain_over_eager'])}× the eager step); verify step (forward, acceptance, keep) "
+                          + ", ".join(f"{w} tok {_num(st['verify_ms'][w])} ms" for w in widths)
+                          + f"; {st['greedy_steps']} greedy steps {same} the eager loop's tokens (first steps "
+                          f"{_num(st['first_steps_s'])} s).", ""]
         elif d:
             lines += [f"Decoding costs {_failed(d)}", ""]
         e = t.get("extraction")
@@ -508,6 +569,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="seconds from the start after which the remaining parts are skipped (default 540)")
     p.add_argument("--no-ttt", action="store_true", help="skip the TTT training steps")
+    p.add_argument("--compile", default="none", choices=("none", "default", "reduce-overhead", "max-autotune"),
+                   help="also time the static path compiled with torch.compile in this mode (reduce-overhead: "
+                        "CUDA graphs); default none")
     args = p.parse_args(argv)
     base = TINY if args.tiny else DEFAULTS
     for key, value in base.items():

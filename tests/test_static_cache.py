@@ -363,6 +363,23 @@ def test_compiled_steps_give_todays_tokens_through_mode_switches_and_rows_leavin
     assert 5 <= counters["stats"]["unique_graphs"] <= 15
 
 
+def test_the_gpu_benchmark_times_the_static_path_and_checks_its_tokens(tmp_path):
+    """`bench.gpu --tiny` (on the CPU): the static path's plain and verify steps timed beside the eager ones (ratios
+    from its own times), and its 32 greedy steps equal to the eager loop's."""
+    import json
+
+    import bench.gpu as gpu
+
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--tiny", "--no-ttt", "--targets", "llama3.1-8b", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())["targets"]["llama3.1-8b"]["decode"]
+    st = d["static"]["static"]
+    assert st["tokens_equal_eager"] is True and st["greedy_steps"] == 32
+    assert list(st["verify_ms"]) == [str(w) for w in gpu.TINY["widths"]]
+    assert abs(st["plain_over_eager"] - st["plain_step_ms"] / d["plain"]["our_step_ms"]) < 1e-9
+    assert "Static path (static): plain step" in out.with_suffix(".md").read_text()
+
+
 @torch.inference_mode()
 def test_what_does_not_fit_is_refused_before_anything_is_written():
     """A forward past the capacity and a merge past the spare rows raise `CacheFull` and leave the cache as it was;
