@@ -100,6 +100,8 @@ class StaticRows:
         self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(layers)]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self._lengths = torch.zeros(shape[0], dtype=torch.long, device=weight.device)  # [rows]
+        for t in self.buffers():  # a compiled step may rely on their addresses (CUDA graphs read and write them)
+            torch._dynamo.mark_static_address(t)
         self.batch, self.config = batch_size, config
         self.width = 0  # host: upper bound on every row's length
         self.pending = 0
