@@ -1,30 +1,38 @@
-"""The static decoding path: a target KV cache allocated once, written by index, and the target forward over it.
+"""The static decoding path: KV caches allocated once and written by index, and the steps that run on them.
 
 Why (issue 39): on a GPU today's decode step (`eagle_core.kv`) is bound by Python and kernel launches, not by
 memory: its cache views change shape every forward, buffers are reallocated, each round reads lengths back to the
-host, and masks and capture hooks are registered per call. Here one object, `StaticKV`, owns what a target forward
-needs between rounds, and a step is a function of device tensors of fixed shapes that `torch.compile` traces whole:
+host, and masks and capture hooks are registered per call. Here the target's cache, `StaticKV`, owns what a target
+forward needs between rounds, and every step is a function of device tensors of fixed shapes that `torch.compile`
+traces whole (`StaticConfig.compile`):
 
 * per decoder layer, keys and values [rows, kv_heads, capacity, head_dim], allocated once and zero-filled;
 * every row's length, a device tensor [rows] (rows [0, batch) in use), changed in place;
 * the forward (`forward`): embeddings, rotary, the decoder layers each with its own kind's mask, the aux layers
-  kept on the way, the final norm; no hooks, nothing registered per call.
+  kept on the way, the final norm; no hooks, nothing registered per call;
+* the steps: `plain_step`, and `verify` (tree forward, acceptance, keep of the path) on the tree padded to its
+  `WIDTH_BUCKETS` width.
+
+The draft's cache, `StaticDraftKV`, has the same layout (both share `StaticRows`) and runs the whole draft loop of a
+round as one step (`draft_tree`).
 
 Layout: row b's committed entries occupy slots [0, lengths[b]) and slot s holds position s (as in `eagle_core.kv`).
 A forward of S new tokens writes them at slots [lengths[b], lengths[b] + S) of each row (a scatter: rows write at
-their own slots) with the positions the caller gives; `keep_new_` moves the kept ones down to
-[lengths[b], lengths[b] + n_keep[b]) in place and adds n_keep to the lengths. A plain step's one entry already
-sits where it is kept: the step only adds 1. Nothing is reallocated: every buffer keeps the `data_ptr()` of its
-allocation across rounds, row selections (`select_rows_`) and merges (`merge_`).
+their own slots; a draft tree's later levels after its earlier ones) with the positions the caller gives;
+`keep_new_` moves the kept ones down to [lengths[b], lengths[b] + n_keep[b]) in place and adds n_keep to the
+lengths. A plain step's one entry already sits where it is kept: the step only adds 1. Nothing is reallocated:
+every buffer keeps the `data_ptr()` of its allocation across rounds, row selections (`select_rows_`) and merges
+(`merge_`).
 
 Attention reads the first `attend_width` slots of every buffer: a multiple of `bucket` at least the host's bound on
-the longest row plus S, so a compiled step sees the same shapes until the bucket changes. Slots a row does not own
-are masked out, so what they hold changes no token (the tests write garbage there); it must only be finite (a NaN
-times a zero weight is NaN), which zero-filled buffers written with the model's own keys are.
+the longest row plus what the forward adds, so a compiled step sees the same shapes until the bucket changes. Slots
+a row does not own are masked out, so what they hold changes no token (the tests write garbage there); it must only
+be finite (a NaN times a zero weight is NaN), which zero-filled buffers written with the model's own keys are.
 
-The host keeps one int per cache, `width`: an upper bound on the longest row, advanced by what a keep may add
-(its K), never read from the device. Families: those whose decoder forward is Llama's loop (`STATIC_FAMILIES`);
-the others raise `UnsupportedTarget` and keep the eager path.
+The host keeps a few ints per cache (`width`: an upper bound on the longest row, advanced by what a keep may add,
+its K; `pending`; `attend_width`), never read from the device. What does not fit falls back to the eager caches
+(`to_eager`, `eagle_core.decoding.DecodingState`). Families: those whose decoder forward is Llama's loop
+(`STATIC_FAMILIES`); the others raise `UnsupportedTarget` and keep the eager path.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ def verify_width(n: int) -> int:
 
 
 def padded_tree(tree: Tree, width: int) -> Tree:
-    """`tree` [B, N] as the verify step sees it: width - N padding nodes after its own (token 0 at depth 0 under
+    """`tree` [B, N] as the verify step sees it: width - N padding nodes after its own (token 0 at depth 0, parent
     the root, each seeing the committed prefix and itself only), its draft size the width and nothing else (no
     score, no context chain), so trees of one width trace alike. A padding node is never accepted (depth 0 never
     deepens a path: the root, first, wins the tie), so never kept, and no real node sees one; `forward_tokens`

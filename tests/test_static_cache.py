@@ -1,14 +1,17 @@
-"""The static decoding path (`eagle_core.static_kv`, issue 39) against today's growing cache (`eagle_core.kv`):
+"""The static decoding path (`eagle_core.static_kv`, issue 39) against today's growing caches (`eagle_core.kv`):
 
-* it holds the same entries: random trees verified on both caches, random paths kept (not prefixes, a different
-  length per row), plain steps between, past sliding windows and chunks, for every family it claims;
-* decoding on it gives today's tokens (fp32, greedy and seeded sampling, batch 1 and a ragged batch, plain, tree
-  and chain rounds mixed), with rows leaving and joining, while every buffer keeps its `data_ptr()`;
+* the target's cache holds the same entries: random trees verified on both caches, random paths kept (not
+  prefixes, a different length per row), plain steps between, past sliding windows and chunks, for every family it
+  claims; the draft's cache grows the same trees and holds the same entries;
+* decoding on it gives today's tokens (fp32, greedy and seeded sampling, batch 1 and a ragged batch, plain, tree,
+  chain and context rounds mixed, every family it claims, the serving engine), with rows leaving and joining,
+  while every buffer of both caches keeps its `data_ptr()`;
 * garbage in the slots no row owns changes no token;
 * the plain step, the verify step and the draft loop trace whole (`torch.compile(fullgraph=True)`: one graph
-  each, no break) and compile once;
+  each, no break) and compile once; trees of one width bucket share a graph; compiled steps keep today's tokens
+  through mode switches and rows leaving and joining;
 * what does not fit is refused before anything is written, and a batch decodes on eagerly past it (one log
-  line); families it lacks are refused by name.
+  line); families it lacks are refused by name; `bench.gpu --tiny` times it and checks its tokens.
 """
 
 import pytest
