@@ -177,7 +177,8 @@ def stream_first_pass(config: TrainJobConfig, extract_config, chunk_rows: int = 
     from pipelines.data import ingest
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_hf_folder(config.target))
-    rows = ingest(extract_config.corpus, limit=extract_config.limit).dataset.iter_rows()
+    # iter(): `iter_rows` returns an iterable that starts over each time it is iterated, not an iterator
+    rows = iter(ingest(extract_config.corpus, limit=extract_config.limit).dataset.iter_rows())
     counts: dict[int, int] = {}
     light = []
     while chunk := list(islice(rows, chunk_rows)):  # each conversation is tokenised alone: chunks change nothing
