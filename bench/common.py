@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,9 +17,10 @@ SHIPPED_DRAFT = shipped_draft()
 
 
 def command(module: str, argv=None) -> str:
-    """The command line that reproduces this run, e.g. `python -m bench.decode --num-prompts 2`."""
+    """The command line that reproduces this run, e.g. `python -m bench.decode --num-prompts 2`, shell-quoted so
+    that it pastes back as it ran (a `--note "two words"` stays one argument)."""
     args = argv if argv is not None else sys.argv[1:]
-    return " ".join([f"python -m bench.{module}", *map(str, args)]).rstrip()
+    return " ".join([f"python -m bench.{module}", *map(shlex.quote, map(str, args))]).rstrip()
 
 
 def shown_path(path) -> str:
