@@ -1,10 +1,19 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Idle OpenMP threads spin by default; on a small shared CPU that makes small ops many times slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The tests' MLflow store and work folder: one per test process (a pytest-xdist worker is one), never the
+# checkout's ./work nor a tracking server the user exported. Set before any Ray cluster starts, so its workers
+# inherit it. (`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI itself: the first store used would stick.)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ["EAGLE3_WORK"] = tempfile.mkdtemp(prefix="eagle3-work-")
+atexit.register(shutil.rmtree, os.environ["EAGLE3_WORK"], True)
 
 import pytest
 import torch
@@ -36,24 +45,32 @@ def tiny_target():
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory, s3_endpoint):
-    """One embedded local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md). Its
-    workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs. Its dashboard
-    (127.0.0.1, a free port; `ray_dashboard` names it) takes `ray job submit`, so the job-submission test needs no
-    second head (starting one cost two minutes of the suite)."""
-    import shutil
-    import tempfile
+    """One local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md).
+    Its workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs. Its dashboard
+    (a free port; `ray.dashboard_address` names it) takes `ray job submit`, so the job-submission test needs no
+    second head (starting one cost two minutes of the suite).
 
+    The head is started through Ray's `cluster_utils.Cluster` rather than `ray.init(address="local")` because only
+    the former lets every port be chosen: `ray.init` always binds the dashboard agent to 52365, so a second
+    cluster on the machine (another pytest-xdist worker, another checkout's suite) has no job agent and refuses
+    submissions ("No available agent to submit job")."""
     import ray
+    from ray.cluster_utils import Cluster
+
+    from process_helpers import free_port
 
     # A short folder: Ray's unix sockets live under it and their paths must fit 107 bytes (pytest's own temporary
     # folders under xdist, .../popen-gw1/ray0/session_.../sockets/..., do not: the dashboard then fails to start).
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    context = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-                       dashboard_port=0, log_to_driver=False, _temp_dir=temp_dir,
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+        dashboard_port=0, dashboard_agent_listen_port=free_port(), temp_dir=temp_dir, object_store_memory=None))
+    context = ray.init(address=cluster.address, log_to_driver=False,
                        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **s3_endpoint}})
     ray.dashboard_address = f"http://{context.dashboard_url}"
     yield ray
     ray.shutdown()
+    cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
