@@ -254,6 +254,14 @@ def test_garbage_in_unused_slots_changes_no_token():
     assert decode(target, draft, prompts, GREEDY, MODES, StaticConfig(capacity=128, rows=5), between=garbage) == eager
 
 
+def eager_static_compiled(target, draft, prompts, sampling, tree=None):
+    """Three decoding states of one batch (seeds 1, 2): today's eager caches, the static caches uncompiled, and
+    the static caches with their steps compiled whole (fullgraph, the eager backend: tracing only)."""
+    compiled = StaticConfig(capacity=128, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
+    return [DecodingState.prefill(target, draft, prompts, sampling, tree, seeds=[1, 2], static=config)[0]
+            for config in (None, StaticConfig(capacity=128), compiled)]
+
+
 @torch.inference_mode()
 def test_the_plain_step_traces_whole_and_compiles_once():
     """`torch._dynamo.explain`: one graph, no break; compiled with fullgraph=True, three steps (greedy, then seeded
@@ -265,9 +273,7 @@ def test_the_plain_step_traces_whole_and_compiles_once():
     for sampling in (GREEDY, SAMPLED):
         torch._dynamo.reset()
         counters.clear()
-        compiled = StaticConfig(capacity=128, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
-        states = [DecodingState.prefill(target, None, prompts, sampling, seeds=[1, 2], static=config)[0]
-                  for config in (None, StaticConfig(capacity=128), compiled)]
+        states = eager_static_compiled(target, None, prompts, sampling)
         kv = states[1].kv
         kv._reserve(1)
         explained = torch._dynamo.explain(kv._plain_step)(states[1].root, sampling, states[1].seeds, ())
@@ -293,9 +299,7 @@ def test_the_verify_step_and_the_draft_loop_trace_whole_and_compile_once():
     draft, tree = random_draft(target, 256), TreeConfig(3, 4, 10)
     for sampling in (GREEDY, SAMPLED):
         torch._dynamo.reset()
-        compiled = StaticConfig(capacity=128, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
-        states = [DecodingState.prefill(target, draft, prompts, sampling, tree, seeds=[1, 2], static=config)[0]
-                  for config in (None, StaticConfig(capacity=128), compiled)]
+        states = eager_static_compiled(target, draft, prompts, sampling, tree)
         state = states[1]
         state.dkv._reserve((tree.depth - 1) * tree.top_k)
         state.dkv.reserved = True
