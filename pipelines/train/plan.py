@@ -188,7 +188,7 @@ def stream_first_pass(config: TrainJobConfig, extract_config, chunk_rows: int = 
                 if m:
                     counts[t] = counts.get(t, 0) + 1
             light.append({"id": cid, "length": len(ids)})
-    if isinstance(config.pack_length, int):  # refused before the stream starts (see `make_plan`)
+    if isinstance(config.pack_length, int):  # refused before any worker starts, as in `make_plan`
         refuse_longer_than_row([r["length"] for r in light], config.pack_length, [r["id"] for r in light])
     train, held = split_heldout(light, config.eval_fraction)
     return {"token_counts": counts, "rows": len(light), "tokens": sum(r["length"] for r in light),
