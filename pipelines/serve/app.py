@@ -133,9 +133,11 @@ class Routes:
         done = self._done(route, time.perf_counter())
         try:
             self.service.authorize(request.headers)
+            header_category = P.header_category(request.headers)  # a malformed label: 400 before the body is read
             max_bytes = self.service.config.max_body_bytes
             # parsing and validating up to max_body_bytes of JSON: off the event loop, as tokenisation is
             req = await asyncio.to_thread(P.parse_request, await read_body(request, max_bytes), schema, max_bytes)
+            req.category = P.request_category(req, header_category)  # the service reads the label off the request
             if req.stream:
                 outcome = {"code": 200}
                 events = await self.service.stream(req, chat, on_end=lambda code: outcome.update(code=code))

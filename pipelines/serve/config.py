@@ -60,6 +60,23 @@ class ServeConfig:
     api_key_file: str | None = None
     require_api_key: bool = False  # refuse to start a replica that found no token (set by a driver that has one)
     torch_threads: int = 0  # 0 = the whole CPUs Ray assigned to the replica (outside Ray: torch's default)
+    # ---- acceptance as a live signal (pipelines/serve/acceptance.py; docs/serving.md) -------------------------
+    acceptance: bool = True  # per-label tau / accept-length histograms, windows, drift; False = none of it
+    acceptance_max_labels: int = 16  # distinct labels kept per replica ("default" included); later ones -> "other"
+    acceptance_window: int = 64  # requests per label in the drift window and in each MLflow summary
+    # MLflow experiment of the replica's serving run (window summaries, drift events), logged only when the draft
+    # comes from the registry (there is a version to log against); "" = no MLflow
+    acceptance_experiment: str = "eagle3-serving"
+    drift: bool = True  # the drift rule (needs a reference tau)
+    drift_margin: float = 0.3  # alert when the window's tree tau < reference tau - drift_margin
+    # the reference: None = the served registry version's `tau` tag (set by the retraining's promotion decision);
+    # none known (a draft folder, an untagged version) = no drift rule
+    drift_reference_tau: float | None = None
+    # called once per alert: "package.module:function" (called with the event dict) or a command (run without a
+    # shell, the event as JSON on stdin and in $EAGLE3_DRIFT_EVENT), e.g. one that submits the retraining job
+    drift_hook: str | None = None
+    drift_hook_timeout_s: float = 60.0  # a hook command still running after this is killed
+    drift_hook_cooldown_s: float = 3600.0  # at most one hook call per this many seconds (all labels together)
 
     def __post_init__(self):
         self.engine  # validates the tree (top_k / depth / total_tokens) and the batching fields
@@ -69,6 +86,10 @@ class ServeConfig:
             raise ValueError("draft_poll_s must be >= 0 (0 = no polling)")
         if min(self.request_timeout_s, self.stall_timeout_s) <= 0 or self.drain_s < 0:
             raise ValueError("request_timeout_s and stall_timeout_s must be > 0, drain_s >= 0")
+        if self.acceptance_max_labels < 1 or self.acceptance_window < 1:
+            raise ValueError("acceptance_max_labels and acceptance_window must be >= 1")
+        if self.drift_margin < 0 or self.drift_hook_timeout_s <= 0 or self.drift_hook_cooldown_s < 0:
+            raise ValueError("drift_margin and drift_hook_cooldown_s must be >= 0, drift_hook_timeout_s > 0")
 
     @property
     def tree(self) -> TreeConfig:

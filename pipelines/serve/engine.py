@@ -90,6 +90,9 @@ class Event:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     token_ids: list[int] = field(default_factory=list)
+    # "done": draft rounds by mode as (rounds, accepted tokens): the acceptance signal compares tree rounds alone
+    # (pipelines/serve/acceptance.py), and RequestStats keeps accept lengths without their modes
+    accept_by_mode: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,6 +142,7 @@ class _Row:
         self.text = TextStream(tokenizer, request.stop)
         self.started = time.perf_counter()
         self.done = False
+        self.accept_by_mode: dict[str, tuple[int, int]] = {}  # Event.accept_by_mode
 
     @property
     def stats(self) -> RequestStats:
@@ -147,6 +151,9 @@ class _Row:
     def record(self, step: Step, row: int) -> None:
         """Batch row `row` of a step -> text delta event; finish on eos, length or a stop string."""
         before = len(self.state.tokens)
+        if step.accept_lengths is not None:
+            rounds, accepted = self.accept_by_mode.get(step.mode, (0, 0))
+            self.accept_by_mode[step.mode] = (rounds + 1, accepted + step.accept_lengths[row])
         self.done = self.state.record(step, row)
         delta, stopped = self.text.push(self.state.tokens[before:])
         if stopped:
@@ -163,7 +170,8 @@ class _Row:
         s.new_tokens = len(self.state.tokens)
         s.total_s = time.perf_counter() - self.started
         reason = "stop" if s.finish_reason in ("eos", "stop") else s.finish_reason
-        self.request.on_event(Event("done", finish_reason=reason, stats=s, token_ids=list(self.state.tokens)))
+        self.request.on_event(Event("done", finish_reason=reason, stats=s, token_ids=list(self.state.tokens),
+                                    accept_by_mode=dict(self.accept_by_mode)))
 
 
 class Lane:

@@ -11,6 +11,12 @@ Speculative-decoding definitions (the same as `eagle_core.generate.RequestStats`
   non-increasing in d; their sum over d is tau - 1;
 * draft vs verify time: wall time of each batched round in the draft (tree growth + cache extension) and
   in the target's verification forward with acceptance (`RoundOutput.draft_s` / `verify_s`).
+
+Per `category` label (`pipelines.serve.acceptance`; at most `acceptance_max_labels` values, the rest "other"):
+a finished request's tau over its draft rounds (`request_tau`, requests with no draft round are not observed),
+every draft round's accept length (`category_accept_length`), rounds by mode (`category_rounds`); the drift
+window's tree tau (`acceptance_window_tau`), the reference it is compared with (`acceptance_reference_tau`, -1
+when none is known) and the alert (`drift_alert`: 1 while raised; `drift_alerts`: times raised).
 """
 
 from __future__ import annotations
@@ -81,6 +87,25 @@ class ServeMetrics:
         self.rejected = m("counter", "rejected", "requests refused with 503 (engine full)")
         self.cancelled = m("counter", "cancelled", "decoding rows dropped because their client went away or timed out")
         self.timeouts = m("counter", "timeouts", "requests that ran past request_timeout_s")
+        # ---- acceptance per category label (pipelines/serve/acceptance.py) ----
+        # tau of one request lies in [1, depth + 1]: quarter steps resolve the drift margin's scale (0.3 by default)
+        self.request_tau = m("histogram", "request_tau", "tau over a finished request's draft rounds, by label",
+                             ("category",), tuple(1 + q / 4 for q in range(4 * depth + 1)))
+        self.category_accept_length = m("histogram", "category_accept_length",
+                                        "draft tokens accepted per draft round, by label", ("category",),
+                                        tuple(d + 0.5 for d in range(depth)))
+        self.category_rounds = m("counter", "category_rounds", "rounds of finished requests by label and mode",
+                                 ("category", "mode"))
+        self.window_tau = m("gauge", "acceptance_window_tau", "tree tau over the label's drift window",
+                            ("category",))
+        self.reference_tau = m("gauge", "acceptance_reference_tau",
+                               "the served draft's evaluation tau the drift rule compares with (-1: none known)")
+        self.drift_alert = m("gauge", "drift_alert", "1 while the label's window tau is below reference - margin",
+                             ("category",))
+        self.drift_alerts = m("counter", "drift_alerts", "drift alerts raised, by label", ("category",))
+        self.acceptance_dropped = m("counter", "acceptance_reports_dropped",
+                                    "window summaries / drift events not reported (MLflow or the hook failed, "
+                                    "or their queue was full)")
         self.running = m("gauge", "running", "requests decoding")
         self.waiting = m("gauge", "waiting", "requests admitted, not decoding yet")
 
@@ -110,6 +135,35 @@ class ServeMetrics:
     def on_finish(self, stats) -> None:
         self.prompt_tokens.record(stats.prompt_tokens)
         self.generated_tokens.record(stats.new_tokens)
+
+    # -- acceptance hooks (the replica's event loop; pipelines/serve/acceptance.py) --
+    def on_acceptance(self, record, window_tau: float | None) -> None:
+        """One finished request's record (its label already folded by the cap)."""
+        category = record.category
+        if record.tau is not None:
+            self.request_tau.record(record.tau, category=category)
+        for n in record.accept_lengths:
+            self.category_accept_length.record(n, category=category)
+        for mode, rounds in record.modes.items():
+            self.category_rounds.record(rounds, category=category, mode=mode)
+        if window_tau is not None:
+            self.window_tau.record(window_tau, category=category)
+
+    def on_reference(self, reference_tau: float | None) -> None:
+        self.reference_tau.record(-1.0 if reference_tau is None else reference_tau)
+
+    def on_drift(self, event) -> None:
+        self.drift_alert.record(1.0 if event.kind == "alert" else 0.0, category=event.category)
+        if event.kind == "alert":
+            self.drift_alerts.record(1, category=event.category)
+
+    def clear_drift(self, categories) -> None:
+        """A new reference or version: the windows start afresh, so no alert stands."""
+        for category in categories:
+            self.drift_alert.record(0.0, category=category)
+
+    def on_report_dropped(self, n: int = 1) -> None:
+        self.acceptance_dropped.record(n)
 
     # -- HTTP hooks --
     def on_response(self, route: str, code: int, seconds: float | None = None) -> None:

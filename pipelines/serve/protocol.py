@@ -6,7 +6,9 @@ that we do not implement are accepted only at their no-op value (n=1, penalties 
 response_format {"type": "text"}, no tools, tool_choice "none", empty logit_bias, store false); any other
 value is a 400 naming the field. Chat content may be a string or a list of text parts (joined with "\n",
 as vLLM does); image, audio and file parts are refused (a text-only model). The `developer` role is
-OpenAI's newer name for `system` and is treated as one.
+OpenAI's newer name for `system` and is treated as one. Extensions: `top_k` (as vLLM) and `category`, the
+acceptance label (also the header `x-eagle3-category`; `pipelines.serve.acceptance.check_label` says what a
+label may be, anything else is a 400).
 
 Bodies are bounded (`max_body_bytes`, 413) and their nesting too (`MAX_JSON_DEPTH`, 400).
 Streams follow OpenAI's usage rule: usage comes only when `stream_options.include_usage` is true, and
@@ -25,6 +27,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
+
+from pipelines.serve.acceptance import DEFAULT_LABEL, check_label
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_JSON_DEPTH = 64  # nesting of a request body; real requests need < 10 (json.loads recurses: ~1000 crashes)
@@ -117,6 +121,15 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # Extension: the route/category label the replica's acceptance metrics are kept under (docs/serving.md); the
+    # header CATEGORY_HEADER says the same for clients that cannot add a body field. None: the header, or "default".
+    category: str | None = None
+
+    @field_validator("category")
+    @classmethod
+    def _category(cls, v):
+        # a label becomes a Prometheus label value and an MLflow metric key: only a short safe alphabet
+        return v if v is None else check_label(v)
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -362,6 +375,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 # "local": a draft folder; "none": plain decoding), and the Serve replica that answered.
 DRAFT_VERSION_HEADER = "x-eagle3-draft-version"
 REPLICA_HEADER = "x-eagle3-replica"
+# Request header: the acceptance label (`category`), when the body does not name one.
+CATEGORY_HEADER = "x-eagle3-category"
+
+
+def header_category(headers) -> str | None:
+    """The CATEGORY_HEADER label, or None when absent; a malformed one is a 400 naming the header."""
+    value = headers.get(CATEGORY_HEADER)
+    if value is None:
+        return None
+    try:
+        return check_label(value)
+    except ValueError as exc:
+        raise ApiError(400, f"invalid {CATEGORY_HEADER} header: {exc}", code="invalid_category") from None
+
+
+def request_category(req, header: str | None) -> str:
+    """A request's label: its body field `category`, else the header's, else "default"."""
+    return getattr(req, "category", None) or header or DEFAULT_LABEL
 
 
 def speculative_info(stats) -> dict:

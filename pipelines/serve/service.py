@@ -17,6 +17,7 @@ from pathlib import Path
 from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
 from pipelines.serve import protocol as P
+from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
 from pipelines.serve.config import ServeConfig
 from pipelines.serve.engine import Engine, Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
@@ -96,6 +97,7 @@ class Service:
                              draft_version=version)
         self.created = P.now()
         self.replica: str | None = None  # a Serve replica's id (set by the deployment; a response header)
+        self._start_acceptance(version)
         # Chat templating and tokenisation of a body of up to max_body_bytes (~1 s for 1 MiB on a CPU core) run
         # here, off the event loop, which meanwhile keeps handing every other stream its events (the fast
         # tokenizers release the GIL while they encode; `text_ids` converts only the ids back to Python).
@@ -117,7 +119,9 @@ class Service:
             return False
         t0 = time.perf_counter()
         draft = load_draft_for(self.target, pinned)
+        reference = self._reference_tau(version)  # the registry read happens here, off the event loop
         self.engine.set_draft(draft, version)
+        self.set_acceptance_reference(version, reference)
         log.info("draft %s now serves new requests (loaded in %.1f s)", pinned, time.perf_counter() - t0)
         return True
 
@@ -135,6 +139,72 @@ class Service:
                     log.warning("cannot follow %s; still serving draft version %s", self.config.draft,
                                 self.engine.draft_version, exc_info=exc)
                 last_error = repr(exc)
+
+    # ---- acceptance as a live signal (pipelines/serve/acceptance.py) ------------------------------------------
+    def _start_acceptance(self, version: str | None) -> None:
+        """Per-label windows and the drift rule for the served version; the reporter (MLflow, the drift hook)."""
+        from pipelines.serve.acceptance_report import (AcceptanceReporter, registry_version, resolve_hook)
+
+        config = self.config
+        self.acceptance: AcceptanceTracker | None = None
+        self.reporter: AcceptanceReporter | None = None
+        # the tracker is fed on the event loop and re-referenced by the draft watch: one lock for both
+        self.acceptance_lock = threading.Lock()
+        if not config.acceptance or not self.speculative:
+            return  # plain decoding has tau 1 by definition: nothing to watch
+        reference = self._reference_tau(version)
+        self.acceptance = AcceptanceTracker(config.acceptance_window, config.drift_margin, reference, version,
+                                            config.acceptance_max_labels)
+        self.metrics.on_reference(reference)
+        hook = resolve_hook(config.drift_hook, config.drift_hook_timeout_s)
+        ref = registry_version(config.draft, version)
+        if hook is None and not (config.acceptance_experiment and ref):
+            return  # nothing to report beyond /metrics
+        self.reporter = AcceptanceReporter(
+            config.acceptance_experiment, ref[0] if ref else None, hook, config.drift_hook_cooldown_s,
+            on_drop=self.metrics.on_report_dropped,
+            tags=lambda: {"eagle3.replica": self.replica or "", "eagle3.served_model": config.served_name},
+            params={"acceptance_window": config.acceptance_window, "drift_margin": config.drift_margin,
+                    "tree": str(config.tree)})
+        log.info("acceptance: window %d requests, drift reference tau %s, margin %g", config.acceptance_window,
+                 reference, config.drift_margin)
+
+    def _reference_tau(self, version: str | None) -> float | None:
+        from pipelines.serve.acceptance_report import reference_tau
+
+        return reference_tau(self.config, version) if self.config.acceptance else None
+
+    def set_acceptance_reference(self, version: str | None, reference: float | None) -> None:
+        """A new served version (or reference tau): windows and alerts start afresh."""
+        if self.acceptance is None:
+            return
+        with self.acceptance_lock:
+            labels = list(self.acceptance.labels)
+            self.acceptance.set_reference(version, reference)
+        self.metrics.clear_drift(labels)
+        self.metrics.on_reference(reference)
+
+    def record_acceptance(self, req, gen: GenerationRequest, event: Event) -> None:
+        """A finished request's acceptance: /metrics by label, the drift window, and what the reporter sends on."""
+        if self.acceptance is None:
+            return
+        stats = event.stats
+        with self.acceptance_lock:
+            category = self.acceptance.cap.fold(getattr(req, "category", None) or DEFAULT_LABEL)
+            # the version the request was pinned to (pin_draft's label, as the tracker's): after a swap, requests
+            # finishing on the previous draft are told apart from the new one's
+            record = AcceptanceRecord(category, gen.draft.version if gen.draft is not None else None,
+                                      tuple(stats.accept_lengths), dict(event.accept_by_mode), dict(stats.modes))
+            summaries, events = self.acceptance.observe(record)
+            window_tau = self.acceptance.window_tau(category)
+        self.metrics.on_acceptance(record, window_tau)
+        for drift in events:
+            self.metrics.on_drift(drift)
+            log.warning("acceptance drift %s for %r: window tau %.3f vs reference %.3f - margin %g", drift.kind,
+                        drift.category, drift.window_tau, drift.reference_tau, drift.margin)
+        if self.reporter is not None:
+            for item in (*summaries, *events):
+                self.reporter.submit(item)
 
     # ---- checks ------------------------------------------------------------------------------------------
     def authorize(self, headers) -> None:
@@ -244,6 +314,7 @@ class Service:
                 parts.append(event.text)
                 continue
             self.metrics.on_finish(event.stats)
+            self.record_acceptance(req, gen, event)
             build = P.chat_body if chat else P.completion_body
             return build(rid, created, self.config.served_name, "".join(parts), event.finish_reason,
                          P.usage(prompt_len, event.stats.new_tokens), speculative_info(gen, event.stats))
@@ -273,6 +344,7 @@ class Service:
                         yield P.sse(P.error_body(f"generation failed: {event.text}", "server_error"))
                     else:
                         self.metrics.on_finish(event.stats)
+                        self.record_acceptance(req, gen, event)
                         last = chunk("", event.finish_reason)
                         last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
                         last["speculative"] = speculative_info(gen, event.stats)
@@ -296,6 +368,8 @@ class Service:
         self.closed.set()  # the draft watch stops at its next wake-up
         self.engine.close(self.config.drain_s)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.reporter is not None:
+            self.reporter.close()
 
 
 def draft_version(gen: GenerationRequest) -> str:
