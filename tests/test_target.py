@@ -93,10 +93,17 @@ def test_cached_conversion_loads_identical_weights(smollm2):
 
 _CONVERT = """
 import hashlib, sys
+import gguf
+parses = []
+class CountingReader(gguf.GGUFReader):  # counts how often the GGUF's metadata is parsed
+    def __init__(self, *args, **kwargs):
+        parses.append(args[0])
+        super().__init__(*args, **kwargs)
+gguf.GGUFReader = CountingReader
 from eagle_core.target import materialize_hf_folder
 folder = materialize_hf_folder("smollm2-135m")
 digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-print("RESULT", folder, digest)
+print("RESULT", folder, digest, len(parses))
 """
 
 
@@ -104,7 +111,8 @@ print("RESULT", folder, digest)
 def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
     """N processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
     extraction actors start together) all succeed, agree on one folder with identical weights, and leave no
-    temporary folder behind."""
+    temporary folder behind; one of them converts, parsing the GGUF's metadata once (not once per tokenizer,
+    config and weights: `_one_gguf_parse`)."""
     import os
     import subprocess
     import sys
@@ -118,6 +126,7 @@ def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
         results.append(next(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT")))
+    assert sorted(int(r.pop()) for r in results) == [0, 0, 0, 1], results  # the converter parsed once
     assert len({tuple(r) for r in results}) == 1, results
     folder = results[0][0]
     leftovers = [p.name for p in (cache / "targets").iterdir() if ".tmp" in p.name]
