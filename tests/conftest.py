@@ -8,6 +8,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Idle OpenMP threads spin by default; on a small shared CPU that makes small ops many times slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray Train tears a worker group down ("placement group removed") when it has not started within 60 s; with two
+# test processes on two cores (pytest-xdist), a training worker's imports alone can take that long. Set before the
+# session's Ray cluster starts, so its raylet and the Train controller inherit it.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
 # The tests' MLflow store and work folder: one per test process (a pytest-xdist worker is one), never the
 # checkout's ./work nor a tracking server the user exported. Set before any Ray cluster starts, so its workers
 # inherit it. (`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI itself: the first store used would stick.)
