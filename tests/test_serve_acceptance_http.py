@@ -97,8 +97,10 @@ def test_labels_histograms_drift_and_mlflow(replica):
         text = c.get("/metrics").text
     for r in refused:
         assert r.status_code == 400, r.text
-    assert header in refused[0].json()["error"]["message"] and refused[0].json()["error"]["code"] == "invalid_category"
-    assert refused[1].json()["error"]["param"] == "category" and "1-64 characters" in refused[1].json()["error"]["message"]
+    errors = [r.json()["error"] for r in refused]
+    assert header in errors[0]["message"] and errors[0]["code"] == "invalid_category"
+    assert errors[1]["param"] == "category" and "1-64 characters" in errors[1]["message"]
+    assert errors[3]["param"] == "category"  # not a string
 
     counts = {label: sum(1 for lab, _ in sent if lab == label) for label, _ in sent}
     for label, n in counts.items():  # one tau observation per finished request, under its label only

@@ -18,6 +18,7 @@ from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
 from pipelines.serve import protocol as P
 from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
+from pipelines.serve.acceptance_report import AcceptanceReporter, reference_tau, registry_version, resolve_hook
 from pipelines.serve.config import ServeConfig
 from pipelines.serve.engine import Engine, Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
@@ -83,6 +84,8 @@ class Service:
 
             use_assigned_cpus()  # a Serve replica: the CPUs its deployment asked for
         self.config = config
+        # a drift hook that does not resolve stops the replica now, before any model is loaded
+        drift_hook = resolve_hook(config.drift_hook, config.drift_hook_timeout_s) if config.acceptance else None
         from eagle_core.target import device_map_for
 
         device_map = config.device_map if config.device_map is not None else device_map_for()
@@ -97,7 +100,7 @@ class Service:
                              draft_version=version)
         self.created = P.now()
         self.replica: str | None = None  # a Serve replica's id (set by the deployment; a response header)
-        self._start_acceptance(version)
+        self._start_acceptance(version, drift_hook)
         # Chat templating and tokenisation of a body of up to max_body_bytes (~1 s for 1 MiB on a CPU core) run
         # here, off the event loop, which meanwhile keeps handing every other stream its events (the fast
         # tokenizers release the GIL while they encode; `text_ids` converts only the ids back to Python).
@@ -141,10 +144,8 @@ class Service:
                 last_error = repr(exc)
 
     # ---- acceptance as a live signal (pipelines/serve/acceptance.py) ------------------------------------------
-    def _start_acceptance(self, version: str | None) -> None:
+    def _start_acceptance(self, version: str | None, hook) -> None:
         """Per-label windows and the drift rule for the served version; the reporter (MLflow, the drift hook)."""
-        from pipelines.serve.acceptance_report import (AcceptanceReporter, registry_version, resolve_hook)
-
         config = self.config
         self.acceptance: AcceptanceTracker | None = None
         self.reporter: AcceptanceReporter | None = None
@@ -156,7 +157,6 @@ class Service:
         self.acceptance = AcceptanceTracker(config.acceptance_window, config.drift_margin, reference, version,
                                             config.acceptance_max_labels)
         self.metrics.on_reference(reference)
-        hook = resolve_hook(config.drift_hook, config.drift_hook_timeout_s)
         ref = registry_version(config.draft, version)
         if hook is None and not (config.acceptance_experiment and ref):
             return  # nothing to report beyond /metrics
@@ -170,8 +170,6 @@ class Service:
                  reference, config.drift_margin)
 
     def _reference_tau(self, version: str | None) -> float | None:
-        from pipelines.serve.acceptance_report import reference_tau
-
         return reference_tau(self.config, version) if self.config.acceptance else None
 
     def set_acceptance_reference(self, version: str | None, reference: float | None) -> None:
