@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from eagle_core.attention import causal_mask
+from eagle_core.capture import CommittedFeatures, RowFeatures
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex
 from eagle_core.static_kv import StaticConfig, StaticDraftKV, StaticKV, verify_width
+from eagle_core.target import resolve_aux_layer_ids
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
 from eagle_core.timing import Timer, timer_for
@@ -265,7 +267,8 @@ class DecodingState:
     @classmethod
     def prefill(cls, target, draft, prompts: list[list[int]], sampling: SamplingConfig,
                 tree: TreeConfig | None = None, seeds=None,
-                static: StaticConfig | None = None) -> tuple["DecodingState", Step]:
+                static: StaticConfig | None = None,
+                capture: bool | list[int] | None = None) -> tuple["DecodingState", Step]:
         """Prompts through the target (and their features into the draft); the Step holds each first token.
 
         seeds: one per row (ints, or an int64 tensor), for sampling (ignored when greedy). A row's tokens are a
@@ -274,12 +277,21 @@ class DecodingState:
 
         static: decode on a `StaticKV` (preallocated buffers written by index, `eagle_core.static_kv`) instead of
         the growing `TargetKV`; the same tokens. Opt-in: raises `UnsupportedTarget` for a family it lacks.
+
+        capture: keep the features of every committed token (`take_features`): True for an extraction's default aux
+        layers, or a list of aux layer ids. Off by default (nothing kept, nothing computed); eager cache only.
         """
         device = target.get_input_embeddings().weight.device
         timer = timer_for(device)
         t0 = timer.mark()
         seeds = None if sampling.greedy else seed_tensor(seeds, device)
-        kv = TargetKV(len(prompts), device) if static is None else StaticKV(target, len(prompts), static)
+        features = None
+        if capture is not None and capture is not False:
+            if static is not None:
+                raise ValueError("feature capture runs on the eager cache only (static=None)")
+            ids = resolve_aux_layer_ids(None if capture is True else capture, target.config.num_hidden_layers)
+            features = CommittedFeatures(ids, len(prompts))
+        kv = TargetKV(len(prompts), device, features) if static is None else StaticKV(target, len(prompts), static)
         aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
         logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
         root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)
@@ -296,6 +308,15 @@ class DecodingState:
     @property
     def device(self):
         return self.root.device
+
+    def take_features(self, rows: list[int] | None = None) -> list[RowFeatures | None]:
+        """Per row (default: every row; batch order), the features of the committed tokens that went through a
+        target forward since the row's last take, in position order: the prompt's after prefill, then each round's
+        root and accepted tokens (a bonus token's come with the next round). Needs `prefill(..., capture=...)`."""
+        features = getattr(self.kv, "features", None)
+        if features is None:
+            raise ValueError("this decoding state does not capture features: prefill(..., capture=True)")
+        return features.take(rows)
 
     @property
     def batch_size(self) -> int:
@@ -410,6 +431,8 @@ class DecodingState:
 
     def merge_(self, other: "DecodingState") -> None:
         """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
+        if (getattr(self.kv, "features", None) is None) != (getattr(other.kv, "features", None) is None):
+            raise ValueError("cannot merge a state that captures features with one that does not")
         self._room_for(0, len(self.pending))
         if isinstance(self.kv, StaticKV) and not (self.kv.can_merge(other.kv) and (
                 self.dkv is None or self.dkv.can_merge(other.dkv))):

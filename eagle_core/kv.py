@@ -115,14 +115,16 @@ def preallocated_layer_class():
 
 class TargetKV:
     """The target's KV cache: a transformers `DynamicCache` of preallocated layers plus the valid length of every
-    row."""
+    row; optionally (`features`, off by default) the features of the committed tokens, kept by the same `keep_new_`
+    that keeps their cache entries (`eagle_core.capture.CommittedFeatures`)."""
 
-    def __init__(self, batch_size: int, device):
+    def __init__(self, batch_size: int, device, features=None):
         from transformers import DynamicCache
 
         self.cache = DynamicCache()
         self.cache.layer_class_to_replicate = preallocated_layer_class()  # one layer per decoder layer, lazily
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.features = features  # CommittedFeatures or None
 
     @property
     def width(self) -> int:
@@ -132,6 +134,8 @@ class TargetKV:
         """After a forward that appended S entries at `past_width`: keep `keep[b, :n_keep[b]]` of them (moved
         only where they do not already sit in place: `keep_plan`)."""
         new_lengths, width, slots = keep_plan(self.lengths, past_width, keep, n_keep)
+        if self.features is not None:  # the kept entries are committed tokens: so are their features
+            self.features.keep_(keep, n_keep)
         for layer in self.cache.layers:
             if slots is None:
                 layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
@@ -151,6 +155,8 @@ class TargetKV:
         """Drop finished sequences: keep batch rows `rows` ([B'] long), and trim the unused tail."""
         self.lengths = self.lengths[rows]
         width = int(self.lengths.max()) if rows.numel() else 0
+        if self.features is not None:
+            self.features.select_rows_(rows.tolist())
         for layer in self.cache.layers:
             at = rows.to(layer.keys.device)
             layer.keys = layer.keys[at, :, :width]
@@ -164,12 +170,16 @@ class TargetKV:
         if len(self.cache.layers) != len(other.cache.layers):
             raise ValueError(f"cannot merge a {len(other.cache.layers)}-layer cache into a "
                              f"{len(self.cache.layers)}-layer one")
+        if (self.features is None) != (other.features is None):
+            raise ValueError("cannot merge a cache that captures features with one that does not")
         merged = [(pad_cat(mine.keys, theirs.keys), pad_cat(mine.values, theirs.values))
                   for mine, theirs in zip(self.cache.layers, other.cache.layers)]
         lengths = torch.cat([self.lengths, other.lengths])
         for layer, (keys, values) in zip(self.cache.layers, merged):
             layer.keys, layer.values = keys, values
         self.lengths = lengths
+        if self.features is not None:
+            self.features.merge_(other.features)
 
 
 class DraftKV:
@@ -262,7 +272,9 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
     input_ids, position_ids: [B, S]; new_mask: [B, S, S] bool (which new entries each new token sees).
     Returns (hidden [B, S, H] after the final norm, aux [B, S, 3H] or None). The S entries are appended
     at slots [P, P+S); the caller then keeps the committed ones with `kv.keep_new_`. The lm_head is left
-    to the caller, which usually needs logits at a few positions only.
+    to the caller, which usually needs logits at a few positions only. A cache that captures features
+    (`kv.features`) also gets this forward's, for `keep_new_` to keep (its layers recorded too where the caller's
+    `aux_layer_ids` lack them).
     """
     from eagle_core.families import UnsupportedTarget
     from eagle_core.capture import record_hidden_states
@@ -276,12 +288,19 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
                                 f"{limit} tokens, which the ragged decoder does not reproduce")
     bias, masks, rules = forward_masks(target.config, attention_allowed(kv.lengths, kv.width, new_mask), position_ids,
                                        decoder.embed_tokens.weight.dtype)
-    with record_hidden_states(target, aux_layer_ids or []) as rec, our_attention(decoder), \
+    recorded = list(aux_layer_ids or [])
+    if kv.features is not None:  # the capture's layers too, each hooked once
+        recorded += [j for j in kv.features.aux_layer_ids if j not in recorded]
+    with record_hidden_states(target, recorded) as rec, our_attention(decoder), \
             per_layer_masks(decoder, rules, masks):
         out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=bias, use_cache=True,
                       **{_cache_kwarg(decoder): kv.cache})
-    aux = torch.cat(rec["aux"], dim=-1) if aux_layer_ids else None
-    return out.last_hidden_state.to(kv.lengths.device), aux  # a device-mapped target ends on its last device
+    hidden = out.last_hidden_state.to(kv.lengths.device)  # a device-mapped target ends on its last device
+    aux = torch.cat(rec["aux"][:len(aux_layer_ids)], dim=-1) if aux_layer_ids else None
+    if kv.features is not None:
+        layer = dict(zip(recorded, rec["aux"]))
+        kv.features.record_(hidden, torch.cat([layer[j] for j in kv.features.aux_layer_ids], dim=-1))
+    return hidden, aux
 
 
 def lm_logits(target, hidden: torch.Tensor) -> torch.Tensor:
