@@ -361,3 +361,25 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if prompt and isinstance(prompt[0], dict):
         return prompt_ids(tokenizer, prompt)
     return list(prompt)
+
+
+def served_loss_mask(tokenizer, messages: list[Message] | None, prompt: list[int], answer_length: int,
+                     tools=None) -> list[int]:
+    """The loss mask of a served conversation, laid over the ids as served: `prompt` (the messages with the
+    generation prompt, `prompt_ids`) followed by the `answer_length` tokens the target generated.
+
+    The answer is what the assistant turn generates after its generation prompt, through its end-of-turn token
+    when it ended: 1 on every answer token, as `tokenize_conversation` masks an assistant turn. In the prompt, the
+    earlier assistant turns of `messages` get `tokenize_conversation`'s mask where its ids are the prompt's first
+    ids (the template renders the history the same way with or without the generation prompt); 0 elsewhere (system,
+    user and tool turns, the generation prompt, and the whole prompt when there are no messages or the history
+    does not render as its prefix)."""
+    mask = [0] * len(prompt) + [1] * answer_length
+    if tokenizer is not None and messages and any(m.get("role") == "assistant" for m in messages):
+        try:
+            history = tokenize_conversation(tokenizer, messages, tools=tools)
+        except TemplateError:
+            return mask
+        if prompt[:len(history.input_ids)] == history.input_ids:
+            mask[:len(history.loss_mask)] = history.loss_mask
+    return mask

@@ -1,0 +1,488 @@
+"""The traffic sink: served conversations appended to feature shards that training reads with no extraction pass.
+
+Off unless a deployment builds one. A served conversation is the prompt's ids and the target's answer as ids
+(one sequence), the chat template's assistant-only loss mask over it (`eagle_core.chat.served_loss_mask`) and,
+optionally, the features decoding captured for it (`eagle_core.decoding.DecodingState.prefill(capture=True)` /
+`take_features`): the same aux layers and dtype an extraction computes, positions in order. The server is
+lossless, so the answer is the target's own, the regenerated reply an extraction would pay a generation for.
+
+Where it writes (any fsspec URL), in the extraction's layout (`pipelines.feature_files`):
+    fingerprint.json                          what made the shards (the extraction's fields: target weights and
+                                              tokenizer hashes, max_length, dtype, aux layers, regeneration, corpus)
+    features/shard-<ms>-<writer>-<hash>.parquet   FEATURE_SCHEMA rows, the summary in the Parquet metadata
+    manifest.json                             a `FeatureManifest` of every committed shard (rebuilt after each)
+so `jobs/train.py --features URL` trains on it as on an extraction's output. Shard names start with their
+creation time (milliseconds, fixed width): the oldest sort first, which retention removes first.
+
+Guarantees:
+- `record` never raises and never waits: a sampling draw and a bounded queue's put (full: the record is dropped
+  and counted). Everything else (the redaction hook, the mask, moving features to the host, Parquet, the store)
+  runs on one background thread, which flushes a shard when it holds `rows_per_shard` rows, when its oldest row
+  waited `flush_after_s`, and on `flush()` / `close()`.
+- A store failure (full disk, unreachable store, a fingerprint mismatch) drops that shard's rows and counts them
+  (`stats()["dropped"]`); nothing is retried, nothing reaches the caller.
+- Every file is written whole or not at all (`pipelines.storage.commit_bytes`: a temporary name then a rename;
+  one PUT on object stores), so a writer killed mid-write leaves no shard a reader lists (a `.tmp-` file at most).
+- A size cap (`max_bytes`, the committed shards' bytes): records beyond it are dropped and counted. Retention
+  (`max_shards`, `max_age_s`): after each commit the oldest shards beyond the limits leave the manifest first, then
+  the store. Several replicas may share one URL (each its own writer id); each rebuilds the manifest from the
+  shards listed there, so one replica's manifest may miss another's newest shard until the next commit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import queue
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import pyarrow.parquet as pq
+import torch
+
+from eagle_core.recipe import REFERENCE
+from pipelines.feature_files import (DTYPE_NAMES, FEATURE_SCHEMA, SHARD_META_KEY, FeatureManifest,
+                                     FingerprintMismatch, ShardEntry, check_fingerprint, committed_shards,
+                                     feature_table, read_shard_summary, write_manifest)
+from pipelines.storage import commit_bytes, exists, join, read_bytes, url_to_fs
+
+CORPUS = "traffic"  # the fingerprint's and manifest's `corpus`: served conversations, not a corpus file
+_STOP = object()  # queued by close(): the writer thread ends now instead of at its next poll
+
+
+@dataclass
+class TrafficConfig:
+    url: str | None = None  # where shards go (any fsspec URL); None: the sink is off and writes nothing
+    target: str = "smollm2-135m"  # the served target (its name or folder): fingerprints and manifest
+    sample_rate: float = 1.0  # fraction of served conversations recorded (a seeded draw per conversation)
+    features: bool = True  # rows carry captured features (trainable as they are); False: ids and mask only
+    rows_per_shard: int = 64  # a shard is committed when the buffer holds this many rows
+    flush_after_s: float = 300.0  # ... or when its oldest row has waited this long
+    max_length: int = REFERENCE.max_length  # tokens per conversation, as extraction truncates
+    max_bytes: int | None = None  # size cap of the committed shards; records beyond it are dropped (counted)
+    max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
+    max_age_s: float | None = None  # retention: shards older than this are removed
+    max_pending: int = 1024  # records queued for the writer thread; beyond it new ones are dropped (counted)
+    redact: str | None = None  # "module:function" of a redaction hook (or pass a callable to TrafficSink)
+    seed: int = 0  # the sampling draws
+
+    def __post_init__(self):
+        if not 0.0 <= self.sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be within [0, 1], got {self.sample_rate}")
+        if self.rows_per_shard < 1 or self.max_pending < 1:
+            raise ValueError("rows_per_shard and max_pending must be >= 1")
+
+
+@dataclass
+class ServedConversation:
+    """What the sink records of one served request; what a redaction hook sees and may change or drop."""
+
+    id: str
+    prompt_ids: list[int]
+    answer_ids: list[int]  # the target's answer, its end-of-turn token included when it ended
+    messages: list[dict] | None = None  # the request's chat messages (the loss mask of earlier assistant turns)
+    tools: list | None = None
+    features: object | None = None  # RowFeatures (aux_hidden [n, 3H], last_hidden [n, H]) of prompt + answer
+    meta: dict = field(default_factory=dict)  # e.g. the request's category label
+
+
+def resolve_hook(spec: str | Callable | None) -> Callable | None:
+    """A callable, or "module:function" imported here (so a bad path fails when the sink is built)."""
+    if spec is None or callable(spec):
+        return spec
+    module, _, name = str(spec).partition(":")
+    if not module or not name:
+        raise ValueError(f"redaction hook {spec!r}: expected 'module:function'")
+    hook = getattr(importlib.import_module(module), name)
+    if not callable(hook):
+        raise ValueError(f"redaction hook {spec!r} is not callable")
+    return hook
+
+
+def traffic_fingerprint(config: TrafficConfig, folder, target_config, dtype: torch.dtype) -> dict:
+    """The extraction's fingerprint fields (`pipelines.extract.extraction_fingerprint`) for served traffic: the
+    target's weights and tokenizer (read from its local `folder`), max_length, the features' dtype and aux layers;
+    `regeneration` says the answers are the serving target's own, `corpus` that the rows are traffic."""
+    from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
+    from pipelines.feature_files import tokenizer_fingerprint
+
+    return {
+        "target_weights_hash": weights_fingerprint(folder),
+        "tokenizer_hash": tokenizer_fingerprint(folder),
+        "max_length": config.max_length,
+        "dtype": DTYPE_NAMES[dtype],
+        "aux_layer_ids": resolve_aux_layer_ids(None, target_config.num_hidden_layers),
+        "regeneration": {"with": "serve"},
+        "corpus": CORPUS,
+    }
+
+
+class TrafficSink:
+    """Appends served conversations to feature shards at `config.url` (module docstring: layout and guarantees).
+
+    tokenizer: for the chat template's loss mask over earlier assistant turns (None: 1 on the answer only).
+    dtype: the target's compute dtype (the features' and the manifest's). redact: a callable (or
+    `config.redact`) applied to each `ServedConversation` before it is written; it returns the conversation (or
+    another) or None to drop it. A hook that changes the token ids drops the features (they belong to the old
+    ids): with `config.features` the conversation is then dropped. fingerprint / target_config: computed from
+    `config.target` when not given. start: run the writer thread (tests drive `_drain` themselves with False).
+    """
+
+    def __init__(self, config: TrafficConfig, *, tokenizer=None, dtype: torch.dtype = torch.float32,
+                 redact: Callable | None = None, target_config=None, fingerprint: dict | None = None,
+                 start: bool = True):
+        self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
+        self.enabled = config.url is not None
+        self.redact = resolve_hook(redact if redact is not None else config.redact)
+        self._rng = random.Random(config.seed)
+        self._lock = threading.Lock()  # guards the counters, read by stats() from any thread
+        self._counts = Counter()
+        self._dropped = Counter()
+        self.last_error: str | None = None
+        if not self.enabled:
+            return
+        if target_config is None or fingerprint is None:
+            from transformers import AutoConfig
+
+            from eagle_core.target import materialize_hf_folder
+
+            folder = materialize_hf_folder(config.target)
+            target_config = target_config or AutoConfig.from_pretrained(folder)
+            fingerprint = fingerprint or traffic_fingerprint(config, folder, target_config, dtype)
+        self.target_config, self.fingerprint = target_config, fingerprint
+        self.aux_layer_ids = list(fingerprint["aux_layer_ids"])
+        self.hidden = target_config.hidden_size
+        self.writer = uuid.uuid4().hex[:8]  # this sink's shards, beside other replicas' in the same folder
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending)
+        self._buffer: list = []  # FeatureRow of the shard being filled (writer thread only)
+        self._buffer_bytes = 0
+        self._oldest: float | None = None
+        self._summaries: dict[str, dict] = {}  # committed shard -> its summary (shards never change)
+        self._bytes: dict[str, int] = {}  # committed shard -> its size
+        self._committed_bytes = None  # known after the first listing (writer thread)
+        self._prepared = False
+        self._stop = threading.Event()
+        self._thread = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="traffic-sink", daemon=True)
+            self._thread.start()
+
+    # ---- the caller's side: O(1), never raises, never waits ------------------------------------------------
+
+    def record(self, prompt_ids, answer_ids, features=None, messages=None, tools=None, request_id=None,
+               meta=None) -> bool:
+        """Offer one served conversation; True when it was queued for writing. Never raises, never blocks."""
+        if not self.enabled:
+            return False
+        try:
+            self._count("offered")
+            if self._rng.random() >= self.config.sample_rate:
+                self._count("sampled_out")
+                return False
+            if self.config.max_bytes is not None and self._committed_bytes is not None \
+                    and self._committed_bytes >= self.config.max_bytes:
+                self._drop("size_cap")
+                return False
+            item = ServedConversation(id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids),
+                                      answer_ids=list(answer_ids), messages=messages, tools=tools,
+                                      features=features, meta=dict(meta or {}))
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self._drop("queue_full")
+        except Exception as err:  # noqa: BLE001 -- nothing reaches the caller
+            self._drop("record_error", err)
+        return False
+
+    def stats(self) -> dict:
+        """Counters: offered, sampled_out, queued rows written (`rows`), `shards`, `bytes` committed, and
+        `dropped` by reason (queue_full, size_cap, redacted, redaction_error, no_features, bad_features,
+        no_loss_tokens, store_error, fingerprint_mismatch, ...)."""
+        with self._lock:
+            return {**self._counts, "dropped": dict(self._dropped), "last_error": self.last_error}
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Write what is queued and buffered now (a partial shard too); waits up to `timeout` seconds."""
+        if not self.enabled:
+            return
+        if self._thread is None:
+            self._drain(force=True)
+            return
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return
+        done.wait(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Flush, then stop the writer thread."""
+        if not self.enabled:
+            return
+        self.flush(timeout)
+        self._stop.set()
+        if self._thread is not None:
+            try:
+                self._queue.put_nowait(_STOP)
+            except queue.Full:  # the thread sees the stop flag at its next poll (within a second)
+                pass
+            self._thread.join(timeout)
+
+    # ---- the writer thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            wait = self.config.flush_after_s if self._oldest is None else max(
+                0.0, self._oldest + self.config.flush_after_s - time.monotonic())
+            try:
+                item = self._queue.get(timeout=min(max(wait, 0.01), 1.0))
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            if isinstance(item, threading.Event):  # flush(): a partial shard too
+                self._drain(force=True)
+                item.set()
+                continue
+            if item is not None:
+                self._add(item)
+            if self._buffer and (len(self._buffer) >= self.config.rows_per_shard
+                                 or time.monotonic() - self._oldest >= self.config.flush_after_s):
+                self._flush_buffer()
+
+    def _drain(self, force: bool = False) -> None:
+        """Everything queued into the buffer, shards committed as they fill; `force`: the rest too."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if item is _STOP:
+                continue
+            self._add(item)
+            if len(self._buffer) >= self.config.rows_per_shard:
+                self._flush_buffer()
+        if force and self._buffer:
+            self._flush_buffer()
+
+    def _add(self, item: ServedConversation) -> None:
+        """Redact, mask, truncate, check the features; the row joins the buffer (or is dropped and counted)."""
+        from eagle_core.chat import served_loss_mask
+        from eagle_core.features import FeatureRow
+
+        ids = (list(item.prompt_ids), list(item.answer_ids))
+        if self.redact is not None:
+            try:
+                item = self.redact(item)
+            except Exception as err:  # noqa: BLE001
+                return self._drop("redaction_error", err)
+            if item is None:
+                return self._drop("redacted")
+            if (list(item.prompt_ids), list(item.answer_ids)) != ids:
+                item.features = None  # computed for other tokens
+        try:
+            mask = served_loss_mask(self.tokenizer, item.messages, item.prompt_ids, len(item.answer_ids), item.tools)
+        except Exception as err:  # noqa: BLE001 -- a template that refuses: the answer alone is still right
+            mask = [0] * len(item.prompt_ids) + [1] * len(item.answer_ids)
+            self._count("mask_fallback")
+            self.last_error = f"loss mask: {err}"
+        tokens = (item.prompt_ids + item.answer_ids)[: self.config.max_length]
+        mask = mask[: len(tokens)]
+        if not any(mask):
+            return self._drop("no_loss_tokens")
+        n = len(tokens)
+        if self.config.features:
+            got = self._features(item.features, n)
+            if isinstance(got, str):
+                return self._drop(got)
+            aux, last = got
+        else:
+            aux = torch.empty(0, 3 * self.hidden, dtype=self.dtype)
+            last = torch.empty(0, self.hidden, dtype=self.dtype)
+        row = FeatureRow(id=str(item.id), input_ids=torch.tensor(tokens), loss_mask=torch.tensor(mask, dtype=torch.int8),
+                         aux_hidden=aux, last_hidden=last)
+        size = n * 4 + aux.numel() * aux.element_size() + last.numel() * last.element_size()
+        if self.config.max_bytes is not None and (self._committed() + self._buffer_bytes + size
+                                                  > self.config.max_bytes):
+            return self._drop("size_cap")
+        self._buffer.append(row)
+        self._buffer_bytes += size
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+
+    def _features(self, features, n: int):
+        """(aux [n, 3H], last [n, H]) on the host, or the reason to drop the row.
+
+        A finished row's last token never went through a forward (it was a round's bonus), so it has no features:
+        its row is zeros. Training never reads it (TTT counts column t only where t + 2 is a real token of the
+        conversation, and the last position's hidden state labels the token after the conversation), and an
+        extraction's value there would be the target's features of the final token, used by nothing."""
+        if features is None:
+            return "no_features"
+        aux, last = features[0], features[1]
+        if aux.dtype != self.dtype or aux.shape[-1] != 3 * self.hidden or last.shape[-1] != self.hidden \
+                or len(aux) != len(last) or len(aux) < n - 1:
+            return "bad_features"
+        aux, last = aux[:n].detach().to("cpu"), last[:n].detach().to("cpu")
+        if len(aux) == n - 1:
+            self._count("last_token_zero")
+            aux = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])
+            last = torch.cat([last, last.new_zeros(1, last.shape[1])])
+        return aux.contiguous(), last.contiguous()
+
+    def _flush_buffer(self) -> None:
+        rows, self._buffer, self._buffer_bytes, self._oldest = self._buffer, [], 0, None
+        try:
+            self._commit_shard(rows)
+        except FingerprintMismatch as err:
+            self._drop("fingerprint_mismatch", err, len(rows))
+        except Exception as err:  # noqa: BLE001 -- a full disk, a store down: counted, never raised
+            self._drop("store_error", err, len(rows))
+        else:
+            try:
+                self._refresh_manifest()
+            except Exception as err:  # noqa: BLE001 -- the shard is committed; the next commit lists it
+                self._count("manifest_errors")
+                self.last_error = f"manifest: {err}"
+
+    def _prepare(self) -> None:
+        """Before the first shard: the output's fingerprint must be this sink's (or it is recorded now)."""
+        if self._prepared:
+            return
+        url = join(self.config.url, "fingerprint.json")
+        if exists(url):
+            check_fingerprint(json.loads(read_bytes(url)), self.fingerprint, f"the traffic output {self.config.url}",
+                              "Point the sink at another URL, or remove that output.")
+        else:
+            commit_bytes(url, json.dumps(self.fingerprint, indent=1).encode())
+        self._prepared = True
+
+    def _commit_shard(self, rows: list) -> None:
+        """One Parquet shard of `rows` (`FeatureRow`s), its summary in the metadata as extraction writes it."""
+        self._prepare()
+        start = time.perf_counter()
+        created_ms = int(time.time() * 1000)
+        digest = uuid.uuid5(uuid.NAMESPACE_OID, "\n".join(r.id for r in rows)).hex[:10]
+        name = f"shard-{created_ms:013d}-{self.writer}-{digest}"
+        counts = Counter()
+        for r in rows:
+            counts.update(r.input_ids[r.loss_mask.bool()].tolist())
+        summary = {
+            "shard": name, "rows": len(rows), "tokens": sum(len(r.input_ids) for r in rows),
+            "loss_tokens": sum(int(r.loss_mask.sum()) for r in rows), "seconds": 0.0,
+            "quarantined": {}, "quarantined_ids": {},
+            "token_counts": {str(k): v for k, v in sorted(counts.items())}, "dtype": DTYPE_NAMES[self.dtype],
+            "fingerprint": self.fingerprint, "created_unix_ms": created_ms, "writer": self.writer,
+            "features": self.config.features,
+        }
+        table = feature_table(rows).replace_schema_metadata({SHARD_META_KEY: json.dumps(summary).encode()})
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        summary["seconds"] = time.perf_counter() - start
+        commit_bytes(join(self.config.url, "features", f"{name}.parquet"), sink.getvalue())
+        self._summaries[name] = summary
+        self._bytes[name] = sink.tell()
+        with self._lock:
+            self._counts["rows"] += len(rows)
+            self._counts["shards"] += 1
+            self._counts["bytes"] += sink.tell()
+
+    def _committed(self) -> int:
+        """Bytes of the committed shards (listed once; then kept up to date by this writer)."""
+        if self._committed_bytes is None:
+            try:
+                self._list()
+            except Exception:  # noqa: BLE001 -- an unreachable store: nothing known yet
+                return 0
+        return self._committed_bytes
+
+    def _list(self) -> list[str]:
+        """Every committed shard of the folder (any writer's), oldest first; their summaries and sizes cached."""
+        fs, _ = url_to_fs(self.config.url)
+        names = sorted(committed_shards(self.config.url))
+        for name in names:
+            if name not in self._summaries:
+                url = join(self.config.url, "features", f"{name}.parquet")
+                self._summaries[name] = read_shard_summary(url)
+                self._bytes[name] = fs.size(url_to_fs(url)[1])
+        for gone in set(self._summaries) - set(names):
+            self._summaries.pop(gone)
+            self._bytes.pop(gone, None)
+        self._committed_bytes = sum(self._bytes[n] for n in names)
+        return names
+
+    def _refresh_manifest(self) -> None:
+        """Retention first (the removed shards leave the manifest before the store), then the manifest of the
+        shards listed now."""
+        names = self._list()
+        expired = self._expired(names)
+        keep = [n for n in names if n not in expired]
+        write_manifest(self.config.url, self._manifest(keep))
+        if expired:
+            fs, _ = url_to_fs(self.config.url)
+            for name in expired:
+                try:
+                    fs.rm(url_to_fs(join(self.config.url, "features", f"{name}.parquet"))[1])
+                except FileNotFoundError:  # another replica removed it first
+                    pass
+                self._summaries.pop(name, None)
+                self._bytes.pop(name, None)
+            self._committed_bytes = sum(self._bytes[n] for n in keep)
+            self._count("shards_removed", len(expired))
+
+    def _expired(self, names: list[str]) -> list[str]:
+        expired = []
+        if self.config.max_age_s is not None:
+            cutoff = (time.time() - self.config.max_age_s) * 1000
+            expired = [n for n in names if self._created_ms(n) < cutoff]
+        left = [n for n in names if n not in expired]
+        if self.config.max_shards is not None and len(left) > self.config.max_shards:
+            expired += left[: len(left) - self.config.max_shards]
+        return expired
+
+    def _created_ms(self, name: str) -> int:
+        created = self._summaries.get(name, {}).get("created_unix_ms")
+        return int(created) if created is not None else int(name.split("-")[1])
+
+    def _manifest(self, names: list[str]) -> FeatureManifest:
+        token_counts = Counter()
+        for name in names:
+            token_counts.update({int(k): v for k, v in self._summaries[name]["token_counts"].items()})
+        entries = [ShardEntry(name=n, rows=self._summaries[n]["rows"], tokens=self._summaries[n]["tokens"])
+                   for n in names]
+        tokens, size = sum(e.tokens for e in entries), sum(self._bytes[n] for n in names)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return FeatureManifest(
+            target=self.config.target, target_weights_hash=self.fingerprint["target_weights_hash"],
+            target_hidden_size=self.hidden, target_vocab_size=self.target_config.vocab_size,
+            target_num_hidden_layers=self.target_config.num_hidden_layers, aux_layer_ids=self.aux_layer_ids,
+            dtype=DTYPE_NAMES[self.dtype], max_length=self.config.max_length, regenerate=False,
+            regeneration={"with": "serve"}, corpus=CORPUS,
+            rows=sum(e.rows for e in entries), tokens=tokens,
+            loss_tokens=sum(self._summaries[n]["loss_tokens"] for n in names),
+            bytes=size, bytes_per_token=size / max(tokens, 1), min_bytes_per_token=4 * self.hidden * element,
+            shards=entries, token_counts=dict(sorted(token_counts.items())),
+            feature_schema={f.name: str(f.type) for f in FEATURE_SCHEMA},
+            config={k: v for k, v in asdict(self.config).items()}, fingerprint=self.fingerprint,
+        )
+
+    # ---- counters ------------------------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _drop(self, reason: str, err: BaseException | None = None, n: int = 1) -> None:
+        with self._lock:
+            self._dropped[reason] += n
+            if err is not None:
+                self.last_error = f"{reason}: {type(err).__name__}: {err}"

@@ -1,0 +1,327 @@
+"""The traffic sink (`pipelines.traffic.TrafficSink`): served conversations become feature shards that the training
+job's reader takes as an extraction's; the sink never fails or holds up its caller.
+
+Properties: the shards, manifest and fingerprint are read by pipelines.train's reader (manifest, target check,
+scan, planned-row read, row decoding, collate) and hold what an extraction of the same token sequences holds (ids,
+the template's loss mask, features within fp32 rounding); a sink that is off writes nothing; a store that fails or
+hangs loses no caller's call, holds none up and counts every dropped record; a writer killed between its temporary
+file and the rename leaves no shard a reader lists; sampling, redaction, the size cap and retention do what their
+options say.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import fsspec
+import pyarrow as pa
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from eagle_core.capture import RowFeatures
+from eagle_core.chat import prompt_ids, served_loss_mask, text_ids, tokenize_conversation
+from pipelines.feature_files import committed_shards, load_manifest
+from pipelines.traffic import TrafficConfig, TrafficSink
+
+REPO = Path(__file__).resolve().parents[1]
+H = 8  # the fake target's hidden size
+FAKE_TARGET = SimpleNamespace(hidden_size=H, vocab_size=100, num_hidden_layers=6)
+FAKE_FINGERPRINT = {"target_weights_hash": "w", "tokenizer_hash": "t", "max_length": 64, "dtype": "float32",
+                    "aux_layer_ids": [2, 3, 3], "regeneration": {"with": "serve"}, "corpus": "traffic"}
+
+
+def fake_sink(url, **options) -> TrafficSink:
+    """A sink for a fake 6-layer target of hidden size 8 (nothing loaded)."""
+    start = options.pop("start", True)
+    redact = options.pop("redact", None)
+    return TrafficSink(TrafficConfig(url=url, target="fake", **options), target_config=FAKE_TARGET,
+                       fingerprint=FAKE_FINGERPRINT, redact=redact, start=start)
+
+
+def fake_features(n: int) -> RowFeatures:
+    return RowFeatures(torch.randn(n, 3 * H), torch.randn(n, H))
+
+
+def offer(sink, n: int, prompt_len: int = 5, answer_len: int = 4, **kw) -> list[bool]:
+    return [sink.record(list(range(1, prompt_len + 1)), list(range(50, 50 + answer_len)),
+                        features=fake_features(prompt_len + answer_len - 1), **kw) for _ in range(n)]
+
+
+# ---- read by training exactly like an extraction -------------------------------------------------------------
+
+def test_served_loss_mask_is_the_templates_on_a_multi_turn_chat(smollm2_tokenizer):
+    """Prompt ids (history + generation prompt) + answer ids (the reply and its end of turn) carry exactly the
+    mask `tokenize_conversation` gives the whole conversation: the earlier assistant turn and the answer are 1."""
+    tok = smollm2_tokenizer
+    messages = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": "Name a color."}]
+    reply = "Blue is a color."
+    prompt = prompt_ids(tok, messages)
+    answer = text_ids(tok, reply) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    mask = served_loss_mask(tok, messages, prompt, len(answer))
+    full = tokenize_conversation(tok, messages + [{"role": "assistant", "content": reply}])
+    assert prompt + answer == full.input_ids[: len(prompt) + len(answer)]
+    assert mask == full.loss_mask[: len(mask)]
+    assert sum(mask[: len(prompt)]) > 0 and all(mask[len(prompt):])
+    assert served_loss_mask(None, None, prompt, len(answer)) == [0] * len(prompt) + [1] * len(answer)
+
+
+@torch.inference_mode()
+def test_sink_shards_train_like_an_extraction(tiny_target_dir, smollm2_tokenizer, tmp_path):
+    """Two chats decoded with capture by a tiny target (SmolLM2's tokenizer and template) go through the sink; the
+    training job's reader takes its output as it takes an extraction's, and every row equals the extraction's row of
+    the same sequence (`eagle_core.features.featurize`): ids, mask, features (fp32 rounding), the last position
+    aside (never computed: zeros, which no TTT step reads)."""
+    from transformers import AutoModelForCausalLM
+
+    from decode_helpers import random_draft
+    from eagle_core.features import featurize
+    from eagle_core.target import default_aux_layer_ids
+    from pipelines.extract import ExtractConfig, extraction_fingerprint
+    from pipelines.train.batches import collate, decode_row
+    from pipelines.train.driver import check_features_target
+    from pipelines.train.plan import scan_features, split_heldout
+    from pipelines.train.shards import read_items, read_planned_rows
+    from test_traffic_capture import decode_capturing
+
+    tok = smollm2_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    chats = [[{"role": "user", "content": "Name three primary colors."}],
+             [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"},
+              {"role": "user", "content": "What is 2 + 2?"}]]
+    prompts = [prompt_ids(tok, m) for m in chats]
+    decoded = decode_capturing(model, random_draft(model, 1024), prompts, [7, 5], ["tree", "plain"])
+    url = str(tmp_path / "traffic")
+    sink = TrafficSink(TrafficConfig(url=url, target=str(tiny_target_dir), rows_per_shard=2), tokenizer=tok,
+                       dtype=torch.float32)
+    for i, (messages, prompt, (answer, aux, last)) in enumerate(zip(chats, prompts, decoded)):
+        assert sink.record(prompt, answer, RowFeatures(aux, last), messages=messages, request_id=f"chat-{i}")
+    sink.close()
+    assert sink.stats()["rows"] == 2 and sink.stats()["dropped"] == {}
+
+    # the training job's reader, step by step (pipelines.train.driver._files_data without Ray)
+    manifest = load_manifest(url)
+    check_features_target(url, manifest, str(tiny_target_dir))
+    assert manifest.rows == 2 and len(manifest.shards) == 1 and manifest.dtype == "float32"
+    assert manifest.aux_layer_ids == default_aux_layer_ids(model.config.num_hidden_layers)
+    extraction = extraction_fingerprint(ExtractConfig(target=str(tiny_target_dir)), tiny_target_dir, model.config,
+                                        "cpu")
+    assert set(manifest.fingerprint) == set(extraction)  # the same fields, compared the same way
+    assert {k: manifest.fingerprint[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")} == \
+        {k: extraction[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")}
+    scanned = scan_features(url, [s.name for s in manifest.shards])
+    train_rows, eval_rows = split_heldout(scanned, 0.5)
+    assert len(train_rows) == len(eval_rows) == 1
+    entries = [{**r, "step": 0, "slot": k} for k, r in enumerate(scanned)]
+    meta = {"target_hidden_size": manifest.target_hidden_size, "dtype": manifest.dtype}
+    table = read_planned_rows(pa.Table.from_pylist(read_items(entries)))
+    rows = {r["id"]: decode_row(r, meta) for r in table.to_pylist()}
+
+    expected = []
+    for i, (messages, prompt, (answer, _, _)) in enumerate(zip(chats, prompts, decoded)):
+        expected.append((f"chat-{i}", prompt + answer, served_loss_mask(tok, messages, prompt, len(answer))))
+    reference = featurize(model, expected, manifest.aux_layer_ids)
+    for ref in reference:
+        got = rows[ref.id]
+        assert got["input_ids"].tolist() == ref.input_ids.tolist()
+        assert got["loss_mask"].tolist() == ref.loss_mask.tolist()
+        n = len(ref.input_ids) - 1
+        torch.testing.assert_close(got["aux_hidden"][:n], ref.aux_hidden[:n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["last_hidden"][:n], ref.last_hidden[:n], rtol=1e-5, atol=1e-5)
+        assert got["aux_hidden"][n].abs().sum() == 0 or torch.allclose(got["aux_hidden"][n], ref.aux_hidden[n])
+    assert rows["chat-1"]["loss_mask"][: len(prompts[1])].sum() > 0  # the earlier assistant turn trains too
+    batch = collate(list(rows.values()), meta, ttt_steps=3, device="cpu")
+    assert batch["aux_hidden"].shape[-1] == 3 * model.config.hidden_size
+
+
+# ---- off, failing stores, a killed writer --------------------------------------------------------------------
+
+def test_sink_off_writes_nothing(tmp_path):
+    sink = TrafficSink(TrafficConfig(url=None))
+    assert offer(sink, 3) == [False] * 3
+    sink.flush()
+    sink.close()
+    assert sink.stats()["dropped"] == {} and list(tmp_path.iterdir()) == []
+
+
+class FullDiskFS(MemoryFileSystem):
+    """Every write fails as a full disk does."""
+
+    protocol = "fulldisk"
+
+    def pipe_file(self, path, value, **kwargs):
+        raise OSError(28, "No space left on device")
+
+
+class SlowFS(MemoryFileSystem):
+    """Every write takes 0.2 s (a store that hangs, against calls that take microseconds)."""
+
+    protocol = "slowstore"
+
+    def pipe_file(self, path, value, **kwargs):
+        time.sleep(0.2)
+        return super().pipe_file(path, value, **kwargs)
+
+
+fsspec.register_implementation("fulldisk", FullDiskFS, clobber=True)
+fsspec.register_implementation("slowstore", SlowFS, clobber=True)
+
+
+def test_a_full_store_loses_no_call_and_counts_every_drop():
+    sink = fake_sink(f"fulldisk://{uuid.uuid4().hex}/traffic", rows_per_shard=4)
+    started = time.perf_counter()
+    assert all(offer(sink, 10))  # queued: the caller is never told about the store
+    caller_s = time.perf_counter() - started
+    sink.close()
+    stats = sink.stats()
+    assert stats["dropped"] == {"store_error": 10} and stats.get("rows", 0) == 0
+    assert "No space left" in stats["last_error"]
+    assert caller_s < 1.0, f"10 calls took {caller_s:.2f} s"
+
+
+def test_a_hanging_store_never_holds_the_caller_up():
+    """A store that takes 0.2 s per write: every call returns at once; what the bounded queue cannot hold is
+    dropped and counted, nothing else is lost."""
+    sink = fake_sink(f"slowstore://{uuid.uuid4().hex}/traffic", rows_per_shard=1, max_pending=2)
+    worst = 0.0
+    for _ in range(20):
+        started = time.perf_counter()
+        offer(sink, 1)
+        worst = max(worst, time.perf_counter() - started)
+    sink.close(timeout=30)
+    stats = sink.stats()
+    assert worst < 0.1, f"a call waited {worst:.3f} s"
+    assert stats["dropped"].get("queue_full", 0) > 0
+    assert stats["offered"] == 20 == stats.get("rows", 0) + sum(stats["dropped"].values())
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from test_traffic_sink import fake_sink, offer
+
+    real_replace = os.replace
+    def stall(src, dst):  # the temporary file is written and synced; the rename never comes
+        if dst.endswith(".parquet"):
+            open({marker!r}, "w").close()
+            time.sleep(600)
+        return real_replace(src, dst)
+    os.replace = stall
+    sink = fake_sink({url!r}, rows_per_shard=2, start=False)
+    offer(sink, 2)
+    sink.flush()
+""")
+
+
+def test_a_writer_killed_mid_write_leaves_no_shard_a_reader_sees(tmp_path):
+    from pipelines.train.plan import scan_features
+
+    url, marker = str(tmp_path / "traffic"), tmp_path / "stalled"
+    script = KILLED_WRITER.format(tests=str(REPO / "tests"), marker=str(marker), url=url)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, "the writer exited before its commit"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # between the temporary file and the rename
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    leftovers = sorted(p.name for p in (tmp_path / "traffic" / "features").iterdir())
+    assert leftovers and all(".parquet.tmp-" in name for name in leftovers)
+    assert committed_shards(url) == set() and not (tmp_path / "traffic" / "manifest.json").exists()
+    assert scan_features(url) == []
+    # the next writer in the same folder: its own shard only, listed by the manifest
+    sink = fake_sink(url, rows_per_shard=2)
+    offer(sink, 2)
+    sink.close()
+    manifest = load_manifest(url)
+    assert [s.rows for s in manifest.shards] == [2] and committed_shards(url) == {manifest.shards[0].name}
+    assert len(scan_features(url, [manifest.shards[0].name])) == 2
+
+
+# ---- the options ---------------------------------------------------------------------------------------------
+
+def test_sampling_redaction_size_cap_and_retention(tmp_path):
+    # sampling: a seeded draw per conversation; every offer is counted once
+    sink = fake_sink(str(tmp_path / "sampled"), sample_rate=0.5, seed=1, start=False)
+    queued = sum(offer(sink, 40))
+    sink.flush()
+    stats = sink.stats()
+    assert 5 < queued < 35 and stats["offered"] == 40 and stats["sampled_out"] == 40 - queued == 40 - stats["rows"]
+
+    # redaction: the hook drops one conversation; one whose token ids it rewrites loses its features (dropped)
+    def redact(conversation):
+        if conversation.meta.get("secret"):
+            return None
+        if conversation.meta.get("rewrite"):
+            conversation.answer_ids = [7] * len(conversation.answer_ids)
+        return conversation
+
+    sink = fake_sink(str(tmp_path / "redacted"), redact=redact, start=False)
+    offer(sink, 1, meta={"secret": True})
+    offer(sink, 1, meta={"rewrite": True})
+    offer(sink, 2)
+    sink.flush()
+    assert sink.stats()["dropped"] == {"redacted": 1, "no_features": 1} and sink.stats()["rows"] == 2
+    assert TrafficSink(TrafficConfig(url=None, redact="os.path:join")).redact is os.path.join
+
+    # size cap: one row (1 056 bytes of ids and features) fits; once its shard is committed the next would pass
+    # the cap, so it is dropped and counted
+    sink = fake_sink(str(tmp_path / "capped"), max_bytes=1500, rows_per_shard=1, start=False)
+    offer(sink, 3)
+    sink.flush()
+    stats = sink.stats()
+    assert stats["rows"] == 1 and stats["dropped"] == {"size_cap": 2}
+
+    # retention by count: the oldest shards leave the manifest and the store
+    url = str(tmp_path / "kept")
+    sink = fake_sink(url, max_shards=2, rows_per_shard=1, start=False)
+    names = []
+    for _ in range(4):
+        offer(sink, 1)
+        sink.flush()
+        names.append(load_manifest(url).shards[-1].name)
+        time.sleep(0.002)  # distinct creation times
+    assert [s.name for s in load_manifest(url).shards] == names[2:] and committed_shards(url) == set(names[2:])
+    assert sink.stats()["shards_removed"] == 2
+
+    # retention by age: from the creation time in the shard names
+    now_ms = int(time.time() * 1000)
+    old, new = f"shard-{now_ms - 90_000:013d}-w-0", f"shard-{now_ms - 1_000:013d}-w-1"
+    aged = fake_sink(str(tmp_path / "aged"), max_age_s=60, start=False)
+    assert aged._expired([old, new]) == [old]
+
+
+def test_short_or_foreign_features_are_dropped_not_written(tmp_path):
+    """Features must cover every position but the last (which may not have been computed) and be the target's
+    dtype and widths; anything else is counted, never written."""
+    sink = fake_sink(str(tmp_path / "t"), start=False)
+    sink.record([1, 2, 3], [4, 5], features=fake_features(3))  # 5 tokens, 3 positions
+    sink.record([1, 2, 3], [4, 5], features=RowFeatures(torch.randn(5, 3 * H).double(), torch.randn(5, H).double()))
+    sink.record([1, 2, 3], [4, 5])  # none
+    sink.record([1, 2, 3], [4, 5], features=fake_features(5))
+    sink.flush()
+    assert sink.stats()["dropped"] == {"bad_features": 2, "no_features": 1} and sink.stats()["rows"] == 1
+
+
+def test_record_is_thread_safe_under_concurrent_callers(tmp_path):
+    sink = fake_sink(str(tmp_path / "t"), rows_per_shard=8)
+    threads = [threading.Thread(target=offer, args=(sink, 10)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sink.close()
+    assert sink.stats()["offered"] == 40 == sink.stats()["rows"] and load_manifest(str(tmp_path / "t")).rows == 40
