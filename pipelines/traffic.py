@@ -161,6 +161,7 @@ class TrafficSink:
         self.writer = uuid.uuid4().hex[:8]  # this sink's shards, beside other replicas' in the same folder
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending)
         self._buffer: list = []  # FeatureRow of the shard being filled (writer thread only)
+        self._row_meta: dict[str, dict] = {}  # buffered row id -> its conversation's meta (e.g. the category)
         self._buffer_bytes = 0
         self._oldest: float | None = None
         self._summaries: dict[str, dict] = {}  # committed shard -> its summary (shards never change)
@@ -315,6 +316,8 @@ class TrafficSink:
                                                   > self.config.max_bytes):
             return self._drop("size_cap")
         self._buffer.append(row)
+        if item.meta:
+            self._row_meta[row.id] = dict(item.meta)
         self._buffer_bytes += size
         if self._oldest is None:
             self._oldest = time.monotonic()
@@ -341,8 +344,9 @@ class TrafficSink:
 
     def _flush_buffer(self) -> None:
         rows, self._buffer, self._buffer_bytes, self._oldest = self._buffer, [], 0, None
+        meta = {r.id: self._row_meta.pop(r.id) for r in rows if r.id in self._row_meta}
         try:
-            self._commit_shard(rows)
+            self._commit_shard(rows, meta)
         except FingerprintMismatch as err:
             self._drop("fingerprint_mismatch", err, len(rows))
         except Exception as err:  # noqa: BLE001 -- a full disk, a store down: counted, never raised
@@ -366,8 +370,10 @@ class TrafficSink:
             commit_bytes(url, json.dumps(self.fingerprint, indent=1).encode())
         self._prepared = True
 
-    def _commit_shard(self, rows: list) -> None:
-        """One Parquet shard of `rows` (`FeatureRow`s), its summary in the metadata as extraction writes it."""
+    def _commit_shard(self, rows: list, meta: dict | None = None) -> None:
+        """One Parquet shard of `rows` (`FeatureRow`s), its summary in the metadata as extraction writes it, plus
+        the rows' meta (`row_meta`: row id -> the conversation's meta, such as its category label; `categories`:
+        rows per category), which the feature schema has no column for and training does not read."""
         self._prepare()
         start = time.perf_counter()
         created_ms = int(time.time() * 1000)
@@ -383,6 +389,8 @@ class TrafficSink:
             "token_counts": {str(k): v for k, v in sorted(counts.items())}, "dtype": DTYPE_NAMES[self.dtype],
             "fingerprint": self.fingerprint, "created_unix_ms": created_ms, "writer": self.writer,
             "features": self.config.features,
+            "row_meta": dict(meta or {}),
+            "categories": dict(Counter(str(m["category"]) for m in (meta or {}).values() if "category" in m)),
         }
         table = feature_table(rows).replace_schema_metadata({SHARD_META_KEY: json.dumps(summary).encode()})
         sink = io.BytesIO()

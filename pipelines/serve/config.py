@@ -77,6 +77,20 @@ class ServeConfig:
     drift_hook: str | None = None
     drift_hook_timeout_s: float = 60.0  # a hook command still running after this is killed
     drift_hook_cooldown_s: float = 3600.0  # at most one hook call per this many seconds (all labels together)
+    # ---- the traffic sink (pipelines/traffic.py; docs/serving.md): off unless traffic_url is set ------------------
+    # served conversations (prompt + answer token ids, the template's loss mask, optionally the answer's features
+    # captured while decoding) appended to feature shards at this fsspec URL; None = off (no capture, no sink)
+    traffic_url: str | None = None
+    traffic_sample_rate: float = 1.0  # fraction of finished requests recorded (a seeded draw per request)
+    traffic_features: bool = True  # capture the features while decoding (rows train as they are; eager caches only)
+    traffic_rows_per_shard: int = 64  # a shard is committed when this many rows are buffered...
+    traffic_flush_after_s: float = 300.0  # ... or when the oldest buffered row has waited this long
+    traffic_max_bytes: int | None = None  # size cap of the committed shards; records beyond it are dropped (counted)
+    traffic_max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
+    traffic_max_age_s: float | None = None  # retention: shards older than this are removed
+    traffic_max_pending: int = 1024  # records queued for the sink's writer thread; beyond it new ones are dropped
+    traffic_redact: str | None = None  # "package.module:function" applied to each conversation before it is written
+    traffic_close_s: float = 30.0  # on shutdown, what is buffered is written for at most this long
 
     def __post_init__(self):
         self.engine  # validates the tree (top_k / depth / total_tokens) and the batching fields
@@ -90,6 +104,17 @@ class ServeConfig:
             raise ValueError("acceptance_max_labels and acceptance_window must be >= 1")
         if self.drift_margin < 0 or self.drift_hook_timeout_s <= 0 or self.drift_hook_cooldown_s < 0:
             raise ValueError("drift_margin and drift_hook_cooldown_s must be >= 0, drift_hook_timeout_s > 0")
+        self.traffic  # validates the sink's fields (TrafficConfig), whether or not the sink is on
+        if self.traffic_url is not None and not str(self.traffic_url).strip():
+            raise ValueError("traffic_url must be a URL or None (off), not an empty string")
+        if min(self.traffic_flush_after_s, self.traffic_close_s) <= 0:
+            raise ValueError("traffic_flush_after_s and traffic_close_s must be > 0")
+        for name in ("traffic_max_bytes", "traffic_max_shards", "traffic_max_age_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None (no limit), got {value}")
+        if self.traffic_redact is not None and ":" not in self.traffic_redact:
+            raise ValueError(f"traffic_redact {self.traffic_redact!r}: expected 'package.module:function'")
 
     @property
     def tree(self) -> TreeConfig:
@@ -98,6 +123,17 @@ class ServeConfig:
     @property
     def engine(self) -> EngineConfig:
         return config_from_fields(EngineConfig, self, tree=self.tree)
+
+    @property
+    def traffic(self):
+        """The sink's `TrafficConfig` (its own checks run here: sample rate, rows per shard, queue size)."""
+        from pipelines.traffic import TrafficConfig
+
+        return TrafficConfig(url=self.traffic_url, target=self.target, sample_rate=self.traffic_sample_rate,
+                             features=self.traffic_features, rows_per_shard=self.traffic_rows_per_shard,
+                             flush_after_s=self.traffic_flush_after_s, max_bytes=self.traffic_max_bytes,
+                             max_shards=self.traffic_max_shards, max_age_s=self.traffic_max_age_s,
+                             max_pending=self.traffic_max_pending, redact=self.traffic_redact)
 
     @property
     def served_name(self) -> str:

@@ -24,6 +24,12 @@ by default from measurement (`ModeChooser`: the best measured tokens/s at this b
 static thresholds (tree while B <= tree_max_batch, chain while B <= chain_max_batch). The plain step of a
 speculative lane still captures the target's features for the draft, so the lane can go back to trees
 when load drops.
+
+Traffic sink (`pipelines.traffic.TrafficSink`, off by default: `Engine(sink=None)`): with a sink, lanes prefill with
+feature capture (when the sink keeps features) and a row that finishes normally hands the sink its prompt, its
+answer's token ids and the features of its committed tokens (`DecodingState.take_features([row])`) before it
+leaves the batch. `TrafficSink.record` never raises or waits; the engine still wraps the hand-over, so a sink or
+capture failure costs that record (counted in `sink_errors`), never the request. With no sink nothing of this runs.
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     cancelled: bool = False  # set by the caller (client gone); the row leaves at the next round
     draft: DraftRef | None = None  # set by Engine.submit: the draft this request decodes with, to its end
+    # keyword arguments for the traffic sink's `record` (messages, meta such as the category label); None: the
+    # caller set none (the sink still gets the prompt and answer ids). Unused when the engine has no sink.
+    traffic: dict | None = None
 
 
 @dataclass
@@ -148,8 +157,10 @@ class _Row:
     def stats(self) -> RequestStats:
         return self.state.stats
 
-    def record(self, step: Step, row: int) -> None:
-        """Batch row `row` of a step -> text delta event; finish on eos, length or a stop string."""
+    def record(self, step: Step, row: int, tap: Callable[["_Row", int], None] | None = None) -> None:
+        """Batch row `row` of a step -> text delta event; finish on eos, length or a stop string. `tap` (the
+        traffic sink's, or None) gets a row that finished, with its batch index, before its "done" event goes out:
+        its features are still in the state, and the record is offered before the client hears the answer."""
         before = len(self.state.tokens)
         if step.accept_lengths is not None:
             rounds, accepted = self.accept_by_mode.get(step.mode, (0, 0))
@@ -163,6 +174,8 @@ class _Row:
         if delta:
             self.request.on_event(Event("delta", text=delta))
         if self.done:
+            if tap is not None:
+                tap(self, row)
             self.finish()
 
     def finish(self) -> None:
@@ -228,9 +241,18 @@ def _restorable(state: DecodingState) -> list[tuple[object, dict]]:
 class Engine:
     """Admits requests, decodes every lane round by round on one thread, reports per-request events."""
 
-    def __init__(self, target, tokenizer, draft, config: EngineConfig, metrics=None, draft_version: str | None = None):
+    def __init__(self, target, tokenizer, draft, config: EngineConfig, metrics=None, draft_version: str | None = None,
+                 sink=None):
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.metrics = metrics
+        # the traffic sink (module docstring); None: no capture, no records. Capture only when it keeps features.
+        self.sink = sink
+        self.capture = sink is not None and bool(sink.config.features)
+        if self.capture and config.static is not None:
+            raise ValueError("the traffic sink's features need the eager caches: feature capture does not run on "
+                             "the static caches (set static=None, or traffic features off)")
+        self._sink_errors_logged: set[str] = set()
+        self.sink_errors = 0  # records lost between the engine and the sink (a capture or hand-over failure)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if eos is not None else set()
         self.lanes: dict[tuple, Lane] = {}
@@ -414,9 +436,11 @@ class Engine:
         seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(2 ** 63) for r in group]
         draft = group[0].draft
         state, first = DecodingState.prefill(self.target, draft.model, [r.prompt_ids for r in group],
-                                             group[0].sampling, self.config.tree, seeds, static=self.config.static)
+                                             group[0].sampling, self.config.tree, seeds, static=self.config.static,
+                                             capture=True if self.capture else None)
+        tap = self._sink_tap(state)
         for i, row in enumerate(rows):
-            row.record(first, i)
+            row.record(first, i, tap)
         if self.metrics is not None:
             self.metrics.on_prefill(len(rows), sum(len(r.prompt_ids) for r in group), first.seconds)
         lane = Lane(group[0].sampling, draft)
@@ -439,10 +463,34 @@ class Engine:
         step = lane.state.step(mode)
         if chooser is not None:
             chooser.record(b, mode, step.committed, step.round_seconds, step.also)
+        tap = self._sink_tap(lane.state)
         for i, row in enumerate(lane.rows):
-            row.record(step, i)
+            row.record(step, i, tap)
         if self.metrics is not None:
             self.metrics.on_round(mode, b, step.draft_s, step.verify_s, step.accept_lengths or [])
+
+
+    # -- the traffic sink (engine thread) --
+    def _sink_tap(self, state: DecodingState):
+        """What a finished row of `state` is handed to (`_Row.record`'s tap); None without a sink."""
+        if self.sink is None:
+            return None
+        return lambda row, index: self._to_sink(state, row, index)
+
+    def _to_sink(self, state: DecodingState, row: _Row, index: int) -> None:
+        """Offer a finished row to the sink: prompt ids, answer ids, the features of its committed tokens (taken,
+        so the state forgets them) and the request's `traffic` keywords. Nothing here may fail the request: any
+        exception costs the record only, counted in `sink_errors` (and logged once per kind)."""
+        try:
+            features = state.take_features([index])[0] if self.capture else None
+            req = row.request
+            self.sink.record(req.prompt_ids, list(row.state.tokens), features=features, **(req.traffic or {}))
+        except Exception as err:  # noqa: BLE001 -- a lost record, never a failed request
+            self.sink_errors += 1
+            kind = type(err).__name__
+            if kind not in self._sink_errors_logged:
+                self._sink_errors_logged.add(kind)
+                log.warning("traffic sink: a record was lost (%s: %s); further %s are only counted", kind, err, kind)
 
 
 def _lane_key(sampling: SamplingConfig) -> tuple:

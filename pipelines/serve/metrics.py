@@ -17,9 +17,17 @@ a finished request's tau over its draft rounds (`request_tau`, requests with no 
 every draft round's accept length (`category_accept_length`), rounds by mode (`category_rounds`); the drift
 window's tree tau (`acceptance_window_tau`), the reference it is compared with (`acceptance_reference_tau`, -1
 when none is known) and the alert (`drift_alert`: 1 while raised; `drift_alerts`: times raised).
+
+The traffic sink (`pipelines.traffic`, only when a deployment turns it on): conversations offered to it, sampled
+out and written as rows (`traffic_records{outcome}`), rows dropped by reason (`traffic_dropped{reason}`: a store
+failure, the size cap, a full queue, redaction, ...; "engine_error" for records lost before the sink), shards and
+bytes committed. The sink keeps its own counters (`TrafficSink.stats`); they are copied in as counter increments
+when /metrics is read and when a request finishes.
 """
 
 from __future__ import annotations
+
+import threading
 
 PREFIX = "eagle3_serve_"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -106,6 +114,10 @@ class ServeMetrics:
         self.acceptance_dropped = m("counter", "acceptance_reports_dropped",
                                     "window summaries / drift events not reported (MLflow or the hook failed, "
                                     "or their queue was full)")
+        self._metric = m  # metrics defined later (`enable_traffic`)
+        self._traffic_seen: dict[tuple, float] = {}  # the sink's counters as last copied (increments go in)
+        self._traffic_lock = threading.Lock()
+        self._sources: list = []  # called before each exposition (`add_source`)
         self.running = m("gauge", "running", "requests decoding")
         self.waiting = m("gauge", "waiting", "requests admitted, not decoding yet")
 
@@ -165,6 +177,37 @@ class ServeMetrics:
     def on_report_dropped(self, n: int = 1) -> None:
         self.acceptance_dropped.record(n)
 
+    # -- the traffic sink --
+    def enable_traffic(self) -> None:
+        """Define the sink's metrics: only a replica whose sink is on exports them (off: no traffic_* series)."""
+        m = self._metric
+        self.traffic_records = m("counter", "traffic_records",
+                                 "served conversations offered to the traffic sink, sampled out, written as rows",
+                                 ("outcome",))
+        self.traffic_dropped = m("counter", "traffic_dropped", "traffic sink records dropped, by reason", ("reason",))
+        self.traffic_shards = m("counter", "traffic_shards", "traffic shards committed")
+        self.traffic_bytes = m("counter", "traffic_bytes", "bytes of traffic shards committed")
+
+    def on_traffic(self, stats: dict) -> None:
+        """Copy `TrafficSink.stats()` (cumulative counters) in as increments since the last copy."""
+        samples = [(self.traffic_records, {"outcome": "offered"}, stats.get("offered", 0)),
+                   (self.traffic_records, {"outcome": "sampled_out"}, stats.get("sampled_out", 0)),
+                   (self.traffic_records, {"outcome": "written"}, stats.get("rows", 0)),
+                   (self.traffic_shards, {}, stats.get("shards", 0)),
+                   (self.traffic_bytes, {}, stats.get("bytes", 0))]
+        samples += [(self.traffic_dropped, {"reason": reason}, n) for reason, n in stats.get("dropped", {}).items()]
+        with self._traffic_lock:
+            for metric, labels, value in samples:
+                key = (id(metric), *sorted(labels.items()))
+                delta = value - self._traffic_seen.get(key, 0)
+                if delta > 0 or key not in self._traffic_seen:  # a first 0 too: the series shows up at 0
+                    metric.record(max(delta, 0), **labels)
+                    self._traffic_seen[key] = value
+
+    def add_source(self, sync) -> None:
+        """`sync()` runs before each exposition (e.g. copying a component's own counters in)."""
+        self._sources.append(sync)
+
     # -- HTTP hooks --
     def on_response(self, route: str, code: int, seconds: float | None = None) -> None:
         self.requests.record(1, route=route, code=code)
@@ -180,4 +223,9 @@ class ServeMetrics:
     def exposition(self) -> bytes:
         import prometheus_client as prom
 
+        for sync in self._sources:
+            try:
+                sync()
+            except Exception:  # noqa: BLE001 -- a failing source must not take /metrics down
+                pass
         return prom.generate_latest(self.registry)

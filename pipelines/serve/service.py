@@ -23,6 +23,7 @@ from pipelines.serve.config import ServeConfig
 from pipelines.serve.engine import Engine, Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
 from pipelines.serve.models import load_draft_for, load_models
+from pipelines.traffic import resolve_hook as resolve_redaction
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
@@ -86,6 +87,8 @@ class Service:
         self.config = config
         # a drift hook that does not resolve stops the replica now, before any model is loaded
         drift_hook = resolve_hook(config.drift_hook, config.drift_hook_timeout_s) if config.acceptance else None
+        # ... and so does a traffic redaction hook that does not import (the sink's values were checked by ServeConfig)
+        redact = resolve_redaction(config.traffic_redact) if config.traffic_url is not None else None
         from eagle_core.target import device_map_for
 
         device_map = config.device_map if config.device_map is not None else device_map_for()
@@ -96,8 +99,14 @@ class Service:
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
         self.api_key = resolve_api_key(config)
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
-        self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics,
-                             draft_version=version)
+        self.traffic = self._start_traffic(models, redact)  # None: the sink is off
+        try:
+            self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics,
+                                 draft_version=version, sink=self.traffic)
+        except BaseException:
+            if self.traffic is not None:
+                self.traffic.close(0)
+            raise
         self.created = P.now()
         self.replica: str | None = None  # a Serve replica's id (set by the deployment; a response header)
         self._start_acceptance(version, drift_hook)
@@ -142,6 +151,46 @@ class Service:
                     log.warning("cannot follow %s; still serving draft version %s", self.config.draft,
                                 self.engine.draft_version, exc_info=exc)
                 last_error = repr(exc)
+
+    # ---- the traffic sink (pipelines/traffic.py), off unless traffic_url is set ---------------------------------
+    def _start_traffic(self, models, redact):
+        """The sink for served conversations, or None (off: no sink object, no capture, nothing recorded). Its
+        fingerprint is the extraction's for this target (weights and tokenizer hashes, the features' dtype and aux
+        layers), so training takes the shards as an extraction's. A store that is unreachable now does not stop
+        the replica: the sink drops and counts what it cannot write."""
+        config = self.config
+        if config.traffic_url is None:
+            return None
+        from eagle_core.target import materialize_hf_folder
+        from pipelines.storage import resolve_source
+        from pipelines.traffic import TrafficSink, traffic_fingerprint
+
+        traffic = config.traffic
+        dtype = models.target.get_input_embeddings().weight.dtype
+        folder = materialize_hf_folder(resolve_source(config.target))
+        fingerprint = traffic_fingerprint(traffic, folder, models.target.config, dtype)
+        sink = TrafficSink(traffic, tokenizer=models.tokenizer, dtype=dtype, redact=redact,
+                           target_config=models.target.config, fingerprint=fingerprint)
+        self.metrics.enable_traffic()
+        self.metrics.add_source(self._traffic_metrics)
+        log.info("traffic sink on: %s (sample rate %g, features %s)", config.traffic_url, config.traffic_sample_rate,
+                 config.traffic_features)
+        return sink
+
+    def _traffic_metrics(self) -> None:
+        """The sink's counters into /metrics (and Ray's export); records the engine lost before the sink count as
+        dropped, reason "engine_error"."""
+        stats = self.traffic.stats()
+        stats["dropped"] = {**stats["dropped"], "engine_error": self.engine.sink_errors}
+        self.metrics.on_traffic(stats)
+
+    def traffic_fields(self, req) -> dict | None:
+        """The sink's `record` keywords for a request: its chat messages (the template's loss mask over earlier
+        assistant turns) and its category label; None when the sink is off."""
+        if self.traffic is None:
+            return None
+        messages = req.message_dicts if isinstance(req, P.ChatCompletionRequest) else None
+        return {"messages": messages, "meta": {"category": getattr(req, "category", None) or DEFAULT_LABEL}}
 
     # ---- acceptance as a live signal (pipelines/serve/acceptance.py) ------------------------------------------
     def _start_acceptance(self, version: str | None, hook) -> None:
@@ -273,7 +322,7 @@ class Service:
         loop = asyncio.get_running_loop()
         gen = GenerationRequest(ids, max_tokens, SamplingConfig(req.temperature, req.top_p, req.top_k),
                                 on_event=lambda e: loop.call_soon_threadsafe(queue.put_nowait, e),
-                                seed=req.seed, stop=req.stop_sequences)
+                                seed=req.seed, stop=req.stop_sequences, traffic=self.traffic_fields(req))
         try:
             self.engine.submit(gen)
         except Overloaded as exc:
@@ -313,6 +362,8 @@ class Service:
                 continue
             self.metrics.on_finish(event.stats)
             self.record_acceptance(req, gen, event)
+            if self.traffic is not None:  # Ray's metric export sees the sink's counters without a scrape
+                self._traffic_metrics()
             build = P.chat_body if chat else P.completion_body
             return build(rid, created, self.config.served_name, "".join(parts), event.finish_reason,
                          P.usage(prompt_len, event.stats.new_tokens), speculative_info(gen, event.stats))
@@ -343,6 +394,8 @@ class Service:
                     else:
                         self.metrics.on_finish(event.stats)
                         self.record_acceptance(req, gen, event)
+                        if self.traffic is not None:  # Ray's metric export sees the sink's counters without a scrape
+                            self._traffic_metrics()
                         last = chunk("", event.finish_reason)
                         last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
                         last["speculative"] = speculative_info(gen, event.stats)
@@ -368,6 +421,13 @@ class Service:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self.reporter is not None:
             self.reporter.close()
+        if self.traffic is not None:  # after the drain: every finished request has been offered
+            try:
+                # what is buffered is written: close() waits up to twice its timeout (the flush, then the thread)
+                self.traffic.close(self.config.traffic_close_s / 2)
+                self._traffic_metrics()
+            except Exception:  # noqa: BLE001 -- shutting down regardless
+                log.exception("traffic sink: close failed")
 
 
 def draft_version(gen: GenerationRequest) -> str:
