@@ -38,8 +38,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m jobs.demo
 
+# Two test processes (pytest-xdist), whole files each, the longest first (tests/conftest.py): most of the suite's
+# time is Ray, Serve and MLflow processes starting and waiting, which overlaps well on two cores (tests/README.md).
+# `make test TEST_PROCESSES=0` runs it in one process.
+TEST_PROCESSES ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests --durations=40
+	$(PY) -m pytest tests $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder) --durations=40
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"

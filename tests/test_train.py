@@ -145,6 +145,24 @@ def test_two_workers_follow_the_single_worker_trajectory(features, clean, tmp_pa
         assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
 
 
+def test_an_unpacked_two_worker_job_follows_the_packed_single_worker_run(features, clean, tmp_path):
+    """Sequence packing end to end (Ray Train, features mode; issue 40, with its unit tests in
+    test_train_packing.py): two workers with one conversation per row follow the single-worker run above, which
+    packs (the default, rows of each step's longest conversation): the same loss and step-0 accuracy curves (the
+    tolerance of the two-worker test) and the same draft. Here, not in test_train_packing.py, so that it shares
+    this module's features and clean run instead of building them a second time."""
+    assert job(features, tmp_path).pack_length == "longest"  # what the `clean` run packed with
+    unpacked = run_train(job(features, tmp_path / "unpacked", num_workers=2, pack_length=None))
+    assert unpacked["total_steps"] == clean["total_steps"] >= 8
+    for key in STEPS_COMPARED:
+        one, two = history(clean["mlflow_run_id"], key), history(unpacked["mlflow_run_id"], key)
+        assert len(one) == len(two) == clean["total_steps"]
+        assert torch.allclose(torch.tensor(two), torch.tensor(one), rtol=1e-4, atol=1e-5), key
+    a, b = weights(clean), weights(unpacked)
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
+
+
 def test_killed_run_resumes_to_the_clean_result(features, clean, s3_endpoint, tmp_path, monkeypatch):
     """SIGKILL the worker after step 4 (its last checkpoint is step 3), then rerun the CLI with --resume. The run's
     output (Ray Train's storage, checkpoints, the exported draft, summary.json) is on S3 (moto on 127.0.0.1)."""

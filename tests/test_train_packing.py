@@ -1,5 +1,7 @@
 """The training job's sequence packing (`pack_length`, issue 40): a rank's step trains the same with its conversations
-packed as one per row, and what cannot train is refused by name before any step (plan, setup, each batch)."""
+packed as one per row, and what cannot train is refused by name before any step (plan, setup, each batch). The
+end-to-end Ray Train comparison (two unpacked workers against the packed single-worker run) is in test_train.py,
+beside the module fixtures it shares."""
 
 from types import SimpleNamespace
 
@@ -17,7 +19,6 @@ from pipelines.train.config import TrainJobConfig
 from pipelines.train.loop import rank_batch, train_one_step
 from pipelines.train.model import TTTObjective
 from pipelines.train.plan import make_plan
-from test_train import clean, features, peaked_target_dir, work  # noqa: F401 (the module fixtures of the job tests)
 
 LENGTHS = [9, 4, 12, 7, 5, 16, 3]
 K = 3
@@ -140,26 +141,6 @@ def test_features_of_another_hidden_size_are_refused_at_setup(tiny_target):
     check_batch(run.draft, collate([], META, K, "cpu"), run.head)
     with pytest.raises(BadBatch, match=r"last_hidden is \[1, 5, 128\]; this draft needs \[1, 5, 64\]"):
         check_batch(run.draft, collate([], {**META, "target_hidden_size": 128}, K, "cpu"), run.head)
-
-
-def test_an_unpacked_two_worker_job_follows_the_packed_single_worker_run(features, clean, tmp_path):
-    """End to end (Ray Train, features mode): two workers with one conversation per row follow the single-worker run
-    of test_train.py, which packs (the default, rows of each step's longest conversation): the same loss and step-0
-    accuracy curves (the tolerance of the two-worker test there) and the same draft."""
-    from test_train import STEPS_COMPARED, history, job, weights
-
-    from pipelines.train import run_train
-
-    assert job(features, tmp_path).pack_length == "longest"  # what the `clean` run packed with
-    unpacked = run_train(job(features, tmp_path / "unpacked", num_workers=2, pack_length=None))
-    assert unpacked["total_steps"] == clean["total_steps"] >= 8
-    for key in STEPS_COMPARED:
-        one, two = history(clean["mlflow_run_id"], key), history(unpacked["mlflow_run_id"], key)
-        assert len(one) == len(two) == clean["total_steps"]
-        assert torch.allclose(torch.tensor(two), torch.tensor(one), rtol=1e-4, atol=1e-5), key
-    a, b = weights(clean), weights(unpacked)
-    for name in a:
-        assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
 
 
 def test_the_dry_run_says_how_rows_are_laid_out(tiny_target_dir, tmp_path, capsys):
