@@ -125,9 +125,9 @@ def s3_endpoint():
 # first, so that none of them starts near the end while the other process idles (longest-first scheduling).
 # Measured serially (`pytest --durations=0`, tests/README.md); a file missing here keeps its place after them.
 LONGEST_FIRST = (
-    "test_cluster_s3.py", "test_train.py", "test_extract.py", "test_retrain.py", "test_gemma3.py",
-    "test_train_smollm2.py", "test_target.py", "test_registry.py", "test_tracking.py", "test_families.py",
-    "test_data.py", "test_serve_champion.py", "test_recipes.py", "test_infra.py", "test_ttt_learns.py",
+    "test_cluster_s3.py", "test_retrain.py", "test_extract.py", "test_train.py", "test_gemma3.py",
+    "test_train_smollm2.py", "test_families.py", "test_extract_streaming.py", "test_fingerprints.py",
+    "test_static_cache.py", "test_registry.py", "test_data.py", "test_target.py", "test_recipes.py",
 )
 
 
