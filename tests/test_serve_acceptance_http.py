@@ -39,6 +39,7 @@ def replica(tmp_path_factory, smollm2_tokenizer):
     from eagle_core.checkpoint import save_draft
     from eagle_core.target import load_target
     from pipelines import tracking
+    from pipelines.retrain import register_draft_folder
     from pipelines.serve.config import ServeConfig
     from pipelines.serve.service import Service
 
@@ -46,15 +47,11 @@ def replica(tmp_path_factory, smollm2_tokenizer):
     target, _ = load_target(str(target_dir), device="cpu", dtype=torch.float32)
     draft_dir = tmp_path_factory.mktemp("acceptance-draft")
     save_draft(echo_draft(target), draft_dir)
-    mlflow = tracking.configure()  # this test process's own store (tests/conftest.py)
-    with tracking.start_run("serve-acceptance-tests", run_name="echo-draft") as run:
-        mlflow.log_artifacts(str(draft_dir), artifact_path="draft")
-        source = mlflow.get_artifact_uri("draft")
+    tracking.configure()  # this test process's own store (tests/conftest.py)
+    version = str(register_draft_folder(str(draft_dir), NAME, experiment="serve-acceptance-tests",
+                                        run_name="echo-draft"))
     client = MlflowClient()
-    client.create_registered_model(NAME)
-    version = client.create_model_version(NAME, source=source, run_id=run.info.run_id)
-    client.set_model_version_tag(NAME, version.version, "tau", str(REFERENCE_TAU))
-    client.set_registered_model_alias(NAME, "champion", version.version)
+    client.set_model_version_tag(NAME, version, "tau", str(REFERENCE_TAU))  # as retraining's promotion records it
     HOOK_EVENTS.clear()
     service = Service(ServeConfig(target=str(target_dir), draft=f"models:/{NAME}@champion", draft_poll_s=0,
                                   model_name=MODEL, dtype="float32", device="cpu", top_k=4, depth=4,
@@ -64,7 +61,7 @@ def replica(tmp_path_factory, smollm2_tokenizer):
                                   drift_hook="test_serve_acceptance_http:on_drift"))
     try:
         with uvicorn_thread(replica_app(service)) as url:
-            yield url, service, client, str(version.version)
+            yield url, service, client, version
     finally:
         service.close()
 
