@@ -97,7 +97,10 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
             command = [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
                        "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
                        "--artifacts-destination", "s3://eagle3/mlflow"]
-            server = subprocess.Popen(command, env={**base_env, "TMPDIR": str(tmp_path)}, cwd=workdir,
+            # Without MLflow's job runner (a consumer pool of ~8 interpreters importing MLflow, for features the
+            # pipeline does not use), as tests/mlflow_helpers.py starts its servers.
+            server = subprocess.Popen(command, env={**base_env, "TMPDIR": str(tmp_path),
+                                                    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, cwd=workdir,
                                       start_new_session=True, stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / "mlflow.log", "a"))
             if processes:
