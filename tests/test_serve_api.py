@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from pipelines.serve import app as serve_app
 from pipelines.serve import protocol as P
+from pipelines.serve import responses as R
 from pipelines.serve.config import ServeConfig
 from pipelines.serve.metrics import ServeMetrics
 from serve_helpers import replica_app
@@ -51,30 +52,30 @@ class FakeService:
         self.seen.append(req)
         if self.fail is not None:
             raise self.fail
-        return {"object": "chat.completion" if chat else "text_completion", "usage": P.usage(2, 3)}
+        return {"object": "chat.completion" if chat else "text_completion", "usage": R.usage(2, 3)}
 
     async def stream(self, req, chat, on_end=None):
         self.seen.append(req)
         return self._events(req, on_end)
 
     async def _events(self, req, on_end):
-        chunk = lambda text, reason=None: P.completion_chunk("cmpl-1", 1, "fake", text, reason)  # noqa: E731
+        chunk = lambda text, reason=None: R.completion_chunk("cmpl-1", 1, "fake", text, reason)  # noqa: E731
         try:
-            yield P.sse(chunk("a"))
+            yield R.sse(chunk("a"))
             if self.fail is not None:
                 raise self.fail
-            yield P.sse(chunk("b"))
+            yield R.sse(chunk("b"))
             last = chunk("", "length")
             if self.usage_on_finish:
-                last["usage"] = P.usage(2, 3)
+                last["usage"] = R.usage(2, 3)
             last["speculative"] = {"rounds": 2}
-            yield P.sse(last)
+            yield R.sse(last)
             asked = req.stream_options is not None and req.stream_options.include_usage
             if asked or not self.usage_on_finish:
                 tail = chunk("")
-                tail["choices"], tail["usage"] = [], P.usage(2, 3)
-                yield P.sse(tail)
-            yield P.SSE_DONE
+                tail["choices"], tail["usage"] = [], R.usage(2, 3)
+                yield R.sse(tail)
+            yield R.SSE_DONE
         finally:
             if on_end is not None:
                 on_end(200)
@@ -209,7 +210,7 @@ def test_stream_usage_once_and_only_when_asked(fake, usage_on_finish):
         assert chunks[-1]["speculative"] == {"rounds": 2}  # the extension stays on the finish chunk
     chunks, with_usage = stream_usage(client, {**GOOD, "stream_options": {"include_usage": True}})
     assert with_usage == [chunks[-1]]  # exactly once, in the last chunk ...
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == P.usage(2, 3)  # ... with no choices
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == R.usage(2, 3)  # ... with no choices
     assert chunks[-1]["id"] == chunks[0]["id"] and chunks[-1]["object"] == "text_completion"
     assert all(c["choices"] for c in chunks[:-1])
 
@@ -219,11 +220,11 @@ def test_usage_once_is_a_plain_event_filter():
         async def source():
             for e in events:
                 yield e
-        return [e async for e in P.usage_once(source(), include_usage)]
+        return [e async for e in R.usage_once(source(), include_usage)]
 
-    text = P.sse(P.completion_chunk("c", 1, "m", "usage"))  # generated text that reads "usage"
-    assert asyncio.run(run([text, P.SSE_DONE], True)) == [text, P.SSE_DONE]
-    assert asyncio.run(run([P.sse(P.error_body("x")), P.SSE_DONE], False))[-1] == P.SSE_DONE
+    text = R.sse(R.completion_chunk("c", 1, "m", "usage"))  # generated text that reads "usage"
+    assert asyncio.run(run([text, R.SSE_DONE], True)) == [text, R.SSE_DONE]
+    assert asyncio.run(run([R.sse(P.error_body("x")), R.SSE_DONE], False))[-1] == R.SSE_DONE
 
 
 # ---- everyday OpenAI fields ---------------------------------------------------------------------------------

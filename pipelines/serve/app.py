@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pipelines.serve import protocol as P
+
+from pipelines.serve import responses as R
 from pipelines.serve.config import DeploymentOptions, ServeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -133,11 +135,11 @@ class Routes:
         done = self._done(route, time.perf_counter())
         try:
             self.service.authorize(request.headers)
-            header_category = P.header_category(request.headers)  # a malformed label: 400 before the body is read
+            header_category = R.header_category(request.headers)  # a malformed label: 400 before the body is read
             max_bytes = self.service.config.max_body_bytes
             # parsing and validating up to max_body_bytes of JSON: off the event loop, as tokenisation is
             req = await asyncio.to_thread(P.parse_request, await read_body(request, max_bytes), schema, max_bytes)
-            req.category = P.request_category(req, header_category)  # the service reads the label off the request
+            req.category = R.request_category(req, header_category)  # the service reads the label off the request
             if req.stream:
                 outcome = {"code": 200}
                 events = await self.service.stream(req, chat, on_end=lambda code: outcome.update(code=code))
@@ -158,10 +160,10 @@ class Routes:
 
     def _headers(self, draft_version: str | None) -> dict:
         """Which draft version decoded this request, and which replica answered (when known)."""
-        headers = {P.DRAFT_VERSION_HEADER: draft_version} if draft_version else {}
+        headers = {R.DRAFT_VERSION_HEADER: draft_version} if draft_version else {}
         replica = getattr(self.service, "replica", None)
         if replica:
-            headers[P.REPLICA_HEADER] = replica
+            headers[R.REPLICA_HEADER] = replica
         return headers
 
     @staticmethod
@@ -186,12 +188,12 @@ class Routes:
         """The service's events under OpenAI's usage rule; a failure after the 200 went out is reported in
         the stream (an error event) and counted as 500."""
         try:
-            async for event in P.usage_once(events, include_usage):
+            async for event in R.usage_once(events, include_usage):
                 yield event
         except Exception as exc:
             log.error("stream failed", exc_info=exc)
             outcome["code"] = 500
-            yield P.sse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"))
+            yield R.sse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"))
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()  # runs the service's own cleanup now (cancels the engine row)

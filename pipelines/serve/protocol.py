@@ -20,15 +20,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
-import uuid
 from itertools import accumulate
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from pipelines.serve.acceptance import DEFAULT_LABEL, check_label
+from pipelines.serve.acceptance import check_label
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_JSON_DEPTH = 64  # nesting of a request body; real requests need < 10 (json.loads recurses: ~1000 crashes)
@@ -122,7 +120,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # Extension: the route/category label the replica's acceptance metrics are kept under (docs/serving.md); the
-    # header CATEGORY_HEADER says the same for clients that cannot add a body field. None: the header, or "default".
+    # header `responses.CATEGORY_HEADER` says the same for clients that cannot add a body field. None: the header,
+    # or "default".
     category: str | None = None
 
     @field_validator("category")
@@ -354,116 +353,3 @@ def parse_request(raw: bytes, schema: type[_Strict], max_bytes: int):
         if exc.error_count() > 1:
             message += f" (and {exc.error_count() - 1} more error(s))"
         raise ApiError(400, message, param=param) from None
-
-
-# ---- responses -------------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-# Response headers: the draft version that decoded the request ("7": registry version 7 of the served model;
-# "local": a draft folder; "none": plain decoding), and the Serve replica that answered.
-DRAFT_VERSION_HEADER = "x-eagle3-draft-version"
-REPLICA_HEADER = "x-eagle3-replica"
-# Request header: the acceptance label (`category`), when the body does not name one.
-CATEGORY_HEADER = "x-eagle3-category"
-
-
-def header_category(headers) -> str | None:
-    """The CATEGORY_HEADER label, or None when absent; a malformed one is a 400 naming the header."""
-    value = headers.get(CATEGORY_HEADER)
-    if value is None:
-        return None
-    try:
-        return check_label(value)
-    except ValueError as exc:
-        raise ApiError(400, f"invalid {CATEGORY_HEADER} header: {exc}", code="invalid_category") from None
-
-
-def request_category(req, header: str | None) -> str:
-    """A request's label: its body field `category`, else the header's, else "default"."""
-    return getattr(req, "category", None) or header or DEFAULT_LABEL
-
-
-def speculative_info(stats) -> dict:
-    """The extra `speculative` field: RequestStats' numbers (definitions in pipelines/serve/metrics.py)."""
-    return {"rounds": stats.rounds, "draft_rounds": len(stats.accept_lengths),
-            "accepted_tokens": sum(stats.accept_lengths), "accept_lengths": list(stats.accept_lengths),
-            "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
-            "rounds_by_mode": {k: v for k, v in stats.modes.items() if v},
-            "prefill_s": round(stats.prefill_s, 6), "draft_s": round(stats.draft_s, 6),
-            "verify_s": round(stats.verify_s, 6)}
-
-
-def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
-                    spec: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_, "speculative": spec}
-
-
-def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict, spec: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage_, "speculative": spec}
-
-
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-
-
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
-SSE_DONE = sse("[DONE]")
-
-
-def _sse_json(event: str) -> dict | None:
-    if not event.startswith("data: {"):
-        return None
-    try:
-        obj = json.loads(event[len("data: "):])
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-async def usage_once(events, include_usage: bool):
-    """SSE events -> the same events under OpenAI's usage rule: no chunk with choices carries `usage`; when
-    `include_usage`, exactly one final chunk with `choices: []` does (just before [DONE]); otherwise none.
-
-    A client that sums `usage` over chunks thus counts it once, and only when it asked. Whatever chunk
-    the producer put usage on, it is moved (or dropped) here; other fields (`speculative`) stay."""
-    usage_chunk = None
-    async for event in events:
-        obj = _sse_json(event) if '"usage"' in event else None
-        if obj is not None and "usage" in obj:
-            if obj.get("choices"):  # usage on a chunk with choices: move it to the final usage chunk
-                usage_chunk = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
-                usage_chunk.update(choices=[], usage=obj.pop("usage"))
-                event = sse(obj)
-            else:  # the producer's own usage chunk: held back and sent last
-                usage_chunk = obj
-                continue
-        if event == SSE_DONE and usage_chunk is not None and include_usage:
-            yield sse(usage_chunk)
-            usage_chunk = None
-        yield event

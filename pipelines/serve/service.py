@@ -17,6 +17,7 @@ from pathlib import Path
 from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
 from pipelines.serve import protocol as P
+from pipelines.serve import responses as R
 from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
 from pipelines.serve.acceptance_report import AcceptanceReporter, reference_tau, registry_version, resolve_hook
 from pipelines.serve.config import ServeConfig
@@ -107,7 +108,7 @@ class Service:
             if self.traffic is not None:
                 self.traffic.close(0)
             raise
-        self.created = P.now()
+        self.created = R.now()
         self.replica: str | None = None  # a Serve replica's id (set by the deployment; a response header)
         self._start_acceptance(version, drift_hook)
         # Chat templating and tokenisation of a body of up to max_body_bytes (~1 s for 1 MiB on a CPU core) run
@@ -353,7 +354,7 @@ class Service:
 
     async def complete(self, req, chat: bool) -> dict:
         gen, queue, prompt_len = await self.submit(req)
-        rid, created, parts = P.new_id("chatcmpl" if chat else "cmpl"), P.now(), []
+        rid, created, parts = R.new_id("chatcmpl" if chat else "cmpl"), R.now(), []
         async for event in self.events(gen, queue):
             if event.kind == "error":  # the text names an incident id, never the exception's text
                 raise P.ApiError(500, f"generation failed: {event.text}", type="server_error")
@@ -364,9 +365,9 @@ class Service:
             self.record_acceptance(req, gen, event)
             if self.traffic is not None:  # Ray's metric export sees the sink's counters without a scrape
                 self._traffic_metrics()
-            build = P.chat_body if chat else P.completion_body
+            build = R.chat_body if chat else R.completion_body
             return build(rid, created, self.config.served_name, "".join(parts), event.finish_reason,
-                         P.usage(prompt_len, event.stats.new_tokens), speculative_info(gen, event.stats))
+                         R.usage(prompt_len, event.stats.new_tokens), speculative_info(gen, event.stats))
         raise P.ApiError(500, "generation ended without a result", type="server_error")
 
     async def stream(self, req, chat: bool, on_end=None) -> "EventStream":
@@ -375,41 +376,41 @@ class Service:
         return EventStream(gen, self._stream_events(req, chat, gen, queue, prompt_len, on_end))
 
     async def _stream_events(self, req, chat, gen, queue, prompt_len, on_end):
-        rid, created, model = P.new_id("chatcmpl" if chat else "cmpl"), P.now(), self.config.served_name
-        chunk = (lambda text, reason=None: P.chat_chunk(rid, created, model, {"content": text} if text else {},
+        rid, created, model = R.new_id("chatcmpl" if chat else "cmpl"), R.now(), self.config.served_name
+        chunk = (lambda text, reason=None: R.chat_chunk(rid, created, model, {"content": text} if text else {},
                                                         reason)) if chat else \
-            (lambda text, reason=None: P.completion_chunk(rid, created, model, text, reason))
+            (lambda text, reason=None: R.completion_chunk(rid, created, model, text, reason))
         code = 200
         try:
             if chat:
-                yield P.sse(P.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+                yield R.sse(R.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
             events = self.events(gen, queue)
             try:
                 async for event in events:
                     if event.kind == "delta":
-                        yield P.sse(chunk(event.text))
+                        yield R.sse(chunk(event.text))
                     elif event.kind == "error":
                         code = 500
-                        yield P.sse(P.error_body(f"generation failed: {event.text}", "server_error"))
+                        yield R.sse(P.error_body(f"generation failed: {event.text}", "server_error"))
                     else:
                         self.metrics.on_finish(event.stats)
                         self.record_acceptance(req, gen, event)
                         if self.traffic is not None:  # Ray's metric export sees the sink's counters without a scrape
                             self._traffic_metrics()
                         last = chunk("", event.finish_reason)
-                        last["usage"] = P.usage(prompt_len, event.stats.new_tokens)
+                        last["usage"] = R.usage(prompt_len, event.stats.new_tokens)
                         last["speculative"] = speculative_info(gen, event.stats)
-                        yield P.sse(last)
+                        yield R.sse(last)
                         if req.stream_options is not None and req.stream_options.include_usage:
                             usage_chunk = chunk("")
                             usage_chunk["choices"], usage_chunk["usage"] = [], last["usage"]
-                            yield P.sse(usage_chunk)
+                            yield R.sse(usage_chunk)
             except P.ApiError as err:  # a timeout after the 200 went out: reported in the stream
                 code = err.status
-                yield P.sse(err.body())
+                yield R.sse(err.body())
             finally:
                 await events.aclose()
-            yield P.SSE_DONE
+            yield R.SSE_DONE
         finally:
             if on_end is not None:
                 on_end(code)
@@ -438,7 +439,7 @@ def draft_version(gen: GenerationRequest) -> str:
 
 def speculative_info(gen: GenerationRequest, stats) -> dict:
     """The response's `speculative` field: the request's stats and the draft version that served it."""
-    return {**P.speculative_info(stats), "draft_version": draft_version(gen)}
+    return {**R.speculative_info(stats), "draft_version": draft_version(gen)}
 
 
 class EventStream:
