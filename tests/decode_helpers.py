@@ -80,7 +80,7 @@ def run_engine(engine, requests: list[tuple], timeout: float = 120.0) -> list:
     final event (done or error) and close the engine; the final events in request order."""
     import threading
 
-    from pipelines.serve.engine import GenerationRequest
+    from pipelines.serve.rows import GenerationRequest
 
     done, finished = {}, threading.Semaphore(0)
 

@@ -293,7 +293,7 @@ def test_a_non_finite_sampling_number_is_refused_as_such(field, value):
 
 
 def test_the_overload_reason_agrees_in_number():
-    from pipelines.serve.engine import describe_load
+    from pipelines.serve.rows import describe_load
 
     assert describe_load(1, 31) == "1 request decoding and 31 waiting"
     assert describe_load(2, 0) == "2 requests decoding and 0 waiting"

@@ -191,7 +191,8 @@ def test_a_request_in_flight_keeps_its_draft_and_the_next_takes_the_new_one(mode
     from eagle_core.generate import generate
     from eagle_core.tree import TreeConfig
     from eagle_core.verify import SamplingConfig
-    from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest
+    from pipelines.serve.engine import Engine, EngineConfig
+    from pipelines.serve.rows import GenerationRequest
 
     _, draft_dir, target, tokenizer = models
     old, new = (load_draft(draft_dir, target=target).eval() for _ in range(2))

@@ -22,7 +22,8 @@ from decode_helpers import echo_draft
 from eagle_core.decoding import DecodingState
 from eagle_core.target import load_target
 from eagle_core.verify import SamplingConfig
-from pipelines.serve.engine import Engine, EngineConfig, GenerationRequest, Overloaded
+from pipelines.serve.engine import Engine, EngineConfig
+from pipelines.serve.rows import GenerationRequest, Overloaded
 from process_helpers import free_port
 from serve_helpers import metric, replica_app, uvicorn_thread
 
@@ -314,7 +315,7 @@ def test_a_request_past_its_timeout_gets_504_and_leaves_the_batch(server, faults
 def test_an_event_stream_closed_before_it_started_cancels_its_row(models):
     """`EventStream.aclose()` frees the row even when no chunk was ever asked for (an async generator that
     never started would run no cleanup)."""
-    from pipelines.serve.engine import GenerationRequest as G
+    from pipelines.serve.rows import GenerationRequest as G
     from pipelines.serve.service import EventStream
 
     async def chunks():

@@ -21,7 +21,8 @@ from pipelines.serve import responses as R
 from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
 from pipelines.serve.acceptance_report import AcceptanceReporter, reference_tau, registry_version, resolve_hook
 from pipelines.serve.config import ServeConfig
-from pipelines.serve.engine import Engine, Event, GenerationRequest, Overloaded
+from pipelines.serve.engine import Engine
+from pipelines.serve.rows import Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
 from pipelines.serve.models import load_draft_for, load_models
 from pipelines.traffic import resolve_hook as resolve_redaction
