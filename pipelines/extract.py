@@ -98,15 +98,12 @@ def extraction_fingerprint(config: ExtractConfig, folder, target_config, device:
     tokenizer and chat template (both read from the target's local `folder`), max_length, the hidden states' dtype
     on `device`, the aux layers, the regeneration settings and the corpus. Not `limit`: a shard of a prefix is the
     same shard of the whole."""
-    from eagle_core.target import resolve_aux_layer_ids, resolve_dtype, weights_fingerprint
-    from pipelines.feature_files import tokenizer_fingerprint
+    from eagle_core.target import resolve_dtype
+    from pipelines.feature_files import target_fingerprint
 
     return {
-        "target_weights_hash": weights_fingerprint(folder),
-        "tokenizer_hash": tokenizer_fingerprint(folder),
-        "max_length": config.max_length,
-        "dtype": DTYPE_NAMES[resolve_dtype(config.dtype, device)],
-        "aux_layer_ids": list(resolve_aux_layer_ids(config.aux_layer_ids, target_config.num_hidden_layers)),
+        **target_fingerprint(folder, target_config, config.max_length, resolve_dtype(config.dtype, device),
+                             config.aux_layer_ids),
         "regeneration": {"with": config.regenerate_with, "max_new_tokens": config.max_new_tokens,
                          "temperature": config.temperature, "seed": config.seed} if config.regenerate else None,
         "corpus": config.corpus,

@@ -173,6 +173,20 @@ def tokenizer_fingerprint(folder) -> str:
     return h.hexdigest()[:16]
 
 
+def target_fingerprint(folder, target_config, max_length: int, dtype: torch.dtype, aux_layer_ids=None) -> dict:
+    """The fingerprint fields a target determines (extraction's and the traffic sink's alike): its weights and
+    tokenizer (read from its local `folder`), max_length, the hidden states' dtype and the aux layers."""
+    from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
+
+    return {
+        "target_weights_hash": weights_fingerprint(folder),
+        "tokenizer_hash": tokenizer_fingerprint(folder),
+        "max_length": max_length,
+        "dtype": DTYPE_NAMES[dtype],
+        "aux_layer_ids": list(resolve_aux_layer_ids(aux_layer_ids, target_config.num_hidden_layers)),
+    }
+
+
 def fingerprint_differences(recorded: dict | None, current: dict) -> list[str]:
     """'field: recorded -> current' for every field that differs (a missing fingerprint differs in all)."""
     if recorded is None:

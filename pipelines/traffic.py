@@ -31,7 +31,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import queue
@@ -40,87 +39,27 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable
 
 import pyarrow.parquet as pq
 import torch
 
-from eagle_core.recipe import REFERENCE
 from pipelines.feature_files import (DTYPE_NAMES, FEATURE_SCHEMA, SHARD_META_KEY, FeatureManifest,
                                      FingerprintMismatch, ShardEntry, check_fingerprint, committed_shards,
                                      feature_table, read_shard_summary, write_manifest)
+from pipelines.hooks import import_callable
 from pipelines.storage import commit_bytes, exists, join, read_bytes, url_to_fs
+from pipelines.traffic_config import CORPUS, ServedConversation, TrafficConfig, traffic_fingerprint
 
-CORPUS = "traffic"  # the fingerprint's and manifest's `corpus`: served conversations, not a corpus file
 _STOP = object()  # queued by close(): the writer thread ends now instead of at its next poll
-
-
-@dataclass
-class TrafficConfig:
-    url: str | None = None  # where shards go (any fsspec URL); None: the sink is off and writes nothing
-    target: str = "smollm2-135m"  # the served target (its name or folder): fingerprints and manifest
-    sample_rate: float = 1.0  # fraction of served conversations recorded (a seeded draw per conversation)
-    features: bool = True  # rows carry captured features (trainable as they are); False: ids and mask only
-    rows_per_shard: int = 64  # a shard is committed when the buffer holds this many rows
-    flush_after_s: float = 300.0  # ... or when its oldest row has waited this long
-    max_length: int = REFERENCE.max_length  # tokens per conversation, as extraction truncates
-    max_bytes: int | None = None  # size cap of the committed shards; records beyond it are dropped (counted)
-    max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
-    max_age_s: float | None = None  # retention: shards older than this are removed
-    max_pending: int = 1024  # records queued for the writer thread; beyond it new ones are dropped (counted)
-    redact: str | None = None  # "module:function" of a redaction hook (or pass a callable to TrafficSink)
-    seed: int = 0  # the sampling draws
-
-    def __post_init__(self):
-        if not 0.0 <= self.sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be within [0, 1], got {self.sample_rate}")
-        if self.rows_per_shard < 1 or self.max_pending < 1:
-            raise ValueError("rows_per_shard and max_pending must be >= 1")
-
-
-@dataclass
-class ServedConversation:
-    """What the sink records of one served request; what a redaction hook sees and may change or drop."""
-
-    id: str
-    prompt_ids: list[int]
-    answer_ids: list[int]  # the target's answer, its end-of-turn token included when it ended
-    messages: list[dict] | None = None  # the request's chat messages (the loss mask of earlier assistant turns)
-    tools: list | None = None
-    features: object | None = None  # RowFeatures (aux_hidden [n, 3H], last_hidden [n, H]) of prompt + answer
-    meta: dict = field(default_factory=dict)  # e.g. the request's category label
 
 
 def resolve_hook(spec: str | Callable | None) -> Callable | None:
     """A callable, or "module:function" imported here (so a bad path fails when the sink is built)."""
     if spec is None or callable(spec):
         return spec
-    module, _, name = str(spec).partition(":")
-    if not module or not name:
-        raise ValueError(f"redaction hook {spec!r}: expected 'module:function'")
-    hook = getattr(importlib.import_module(module), name)
-    if not callable(hook):
-        raise ValueError(f"redaction hook {spec!r} is not callable")
-    return hook
-
-
-def traffic_fingerprint(config: TrafficConfig, folder, target_config, dtype: torch.dtype) -> dict:
-    """The extraction's fingerprint fields (`pipelines.extract.extraction_fingerprint`) for served traffic: the
-    target's weights and tokenizer (read from its local `folder`), max_length, the features' dtype and aux layers;
-    `regeneration` says the answers are the serving target's own, `corpus` that the rows are traffic."""
-    from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
-    from pipelines.feature_files import tokenizer_fingerprint
-
-    return {
-        "target_weights_hash": weights_fingerprint(folder),
-        "tokenizer_hash": tokenizer_fingerprint(folder),
-        "max_length": config.max_length,
-        "dtype": DTYPE_NAMES[dtype],
-        "aux_layer_ids": resolve_aux_layer_ids(None, target_config.num_hidden_layers),
-        "regeneration": {"with": "serve"},
-        "corpus": CORPUS,
-    }
+    return import_callable(spec, "redaction hook")
 
 
 class TrafficSink:

@@ -241,7 +241,8 @@ def test_bad_sink_settings_stop_the_replica_before_any_model_loads(models, monke
 def test_static_caches_with_sink_features_are_refused():
     from eagle_core.static_kv import StaticConfig
     from pipelines.serve.engine import Engine, EngineConfig
-    from pipelines.traffic import TrafficConfig, TrafficSink
+    from pipelines.traffic import TrafficSink
+    from pipelines.traffic_config import TrafficConfig
 
     sink = TrafficSink(TrafficConfig(url=None, features=True))  # off: nothing starts; the engine reads its config
     with pytest.raises(ValueError, match="static caches"):

@@ -29,7 +29,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 from eagle_core.capture import RowFeatures
 from eagle_core.chat import prompt_ids, served_loss_mask, text_ids, tokenize_conversation
 from pipelines.feature_files import committed_shards, load_manifest
-from pipelines.traffic import TrafficConfig, TrafficSink
+from pipelines.traffic import TrafficSink
+from pipelines.traffic_config import TrafficConfig
 
 REPO = Path(__file__).resolve().parents[1]
 H = 8  # the fake target's hidden size

@@ -8,7 +8,6 @@ or that finds the queue full is dropped, logged once per distinct error and coun
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import threading
 import time
 from typing import Callable
 
+from pipelines.hooks import import_callable
 from pipelines.serve.acceptance import DriftEvent, WindowSummary
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,7 @@ def resolve_hook(spec: str | None, timeout_s: float) -> Callable[[dict], None] |
     if not spec:
         return None
     if _CALLABLE.fullmatch(spec):
-        module, _, name = spec.partition(":")
-        fn = getattr(importlib.import_module(module), name)
-        if not callable(fn):
-            raise ValueError(f"drift_hook {spec!r} is not callable")
-        return fn
+        return import_callable(spec, "drift_hook")
     argv = shlex.split(spec)
     if not argv:
         raise ValueError("drift_hook is an empty command")

@@ -127,7 +127,7 @@ class ServeConfig:
     @property
     def traffic(self):
         """The sink's `TrafficConfig` (its own checks run here: sample rate, rows per shard, queue size)."""
-        from pipelines.traffic import TrafficConfig
+        from pipelines.traffic_config import TrafficConfig
 
         return TrafficConfig(url=self.traffic_url, target=self.target, sample_rate=self.traffic_sample_rate,
                              features=self.traffic_features, rows_per_shard=self.traffic_rows_per_shard,

@@ -165,7 +165,8 @@ class Service:
             return None
         from eagle_core.target import materialize_hf_folder
         from pipelines.storage import resolve_source
-        from pipelines.traffic import TrafficSink, traffic_fingerprint
+        from pipelines.traffic import TrafficSink
+        from pipelines.traffic_config import traffic_fingerprint
 
         traffic = config.traffic
         dtype = models.target.get_input_embeddings().weight.dtype
