@@ -28,7 +28,7 @@ import torch
 from eagle_core.attention import causal_mask
 from eagle_core.capture import CommittedFeatures, RowFeatures
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
-from eagle_core.lookup import ContextIndex
+from eagle_core.lookup import ContextIndex, context_yield
 from eagle_core.static_kv import StaticConfig, StaticDraftKV, StaticKV, verify_width
 from eagle_core.target import resolve_aux_layer_ids
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
@@ -52,19 +52,6 @@ def context_tensor(proposals: list[list[int]], device) -> torch.Tensor | None:
     if not width:
         return None
     return torch.tensor([p + [NO_TOKEN] * (width - len(p)) for p in proposals], device=device)
-
-
-def context_yield(proposal: list[int], committed: list[int]) -> int:
-    """Tokens a round with the context chain would have committed where a round without it committed
-    `committed` (accepted + bonus): the same, or one more than the proposal's agreement with them, where the
-    chain agrees further (a lower bound when it agrees with every committed token: beyond them the target's
-    tokens are unknown)."""
-    agree = 0
-    for p, t in zip(proposal, committed):
-        if p != t:
-            break
-        agree += 1
-    return max(len(committed), agree + 1)
 
 
 def clock(device) -> float:

@@ -75,3 +75,16 @@ class ContextIndex:
             src = start + i  # the text position token i copies; past the text's end, an earlier proposed token
             out.append(toks[src] if src < len(toks) else out[i - shift])
         return out
+
+
+def context_yield(proposal: list[int], committed: list[int]) -> int:
+    """Tokens a round with the context chain would have committed where a round without it committed
+    `committed` (accepted + bonus): the same, or one more than the proposal's agreement with them, where the
+    chain agrees further (a lower bound when it agrees with every committed token: beyond them the target's
+    tokens are unknown)."""
+    agree = 0
+    for p, t in zip(proposal, committed):
+        if p != t:
+            break
+        agree += 1
+    return max(len(committed), agree + 1)

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from decode_helpers import drafted_batch, single_thread  # noqa: F401 (autouse fixture)
-from eagle_core.decoding import context_yield
-from eagle_core.lookup import MAX_NGRAM, MIN_NGRAM, ContextIndex
+from eagle_core.lookup import MAX_NGRAM, MIN_NGRAM, ContextIndex, context_yield
 from eagle_core.tree import NO_TOKEN, TreeConfig, draft_accept_length, graft_chain, tree_from_parents
 from test_tree import naive_ancestors
 
