@@ -328,7 +328,7 @@ def test_an_event_stream_closed_before_it_started_cancels_its_row(models):
 
 def test_the_api_key_comes_from_a_file_and_a_missing_one_stops_the_replica(tmp_path, monkeypatch):
     from pipelines.serve.config import ServeConfig
-    from pipelines.serve.service import resolve_api_key
+    from pipelines.serve.config import resolve_api_key
 
     for name in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"):
         monkeypatch.delenv(name, raising=False)

@@ -7,7 +7,9 @@ reason; their defaults are `TreeConfig`'s and `EngineConfig`'s, which own them (
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from eagle_core.tree import TreeConfig
 from pipelines.cli import config_from_fields
@@ -167,3 +169,29 @@ class DeploymentOptions:
     max_queued_requests: int = 64
     autoscaling_config: dict | None = field(default=None)
     pythonpath: str | None = None  # added to the replicas' PYTHONPATH (they don't see the driver's)
+
+
+API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
+API_KEY_FILE_ENV = "EAGLE3_SERVE_API_KEY_FILE"
+
+
+def resolve_api_key(config: ServeConfig) -> str | None:
+    """The bearer token: `api_key`, else the file `api_key_file` (or $EAGLE3_SERVE_API_KEY_FILE) names, else
+    $EAGLE3_SERVE_API_KEY; None = no auth. A named file that is missing or empty, or no token while
+    `require_api_key`, stops the replica: serving without auth by accident is worse than not serving."""
+    if config.api_key:
+        return config.api_key
+    path = config.api_key_file or os.environ.get(API_KEY_FILE_ENV)
+    if path:
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as err:
+            raise RuntimeError(f"cannot read the serve API key file {path}: {err}") from err
+        if not key:
+            raise RuntimeError(f"the serve API key file {path} is empty")
+        return key
+    key = os.environ.get(API_KEY_ENV) or None
+    if key is None and config.require_api_key:
+        raise RuntimeError("this deployment requires an API key, but the replica found none: mount it as a file "
+                           f"and set api_key_file (or {API_KEY_FILE_ENV})")
+    return key

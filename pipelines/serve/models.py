@@ -8,6 +8,30 @@ from dataclasses import dataclass
 import torch
 
 
+LOCAL_DRAFT = "local"  # the version label of a draft loaded from a folder or URL (no registry version)
+NO_DRAFT = "none"  # ... and of plain decoding
+
+
+def pin_draft(source: str | None) -> tuple[str | None, str | None]:
+    """(what to load, its version label): `models:/<name>@<alias>` -> `models:/<name>/<N>` (the version the alias
+    names now) and "N"; `models:/<name>/<N>` -> itself and "N"; a folder or URL -> itself and "local"."""
+    from pipelines.storage import is_registry_uri, pin_registry_uri
+
+    if not source:
+        return None, None
+    if not is_registry_uri(source):
+        return source, LOCAL_DRAFT
+    pinned = pin_registry_uri(source)
+    return pinned, pinned.rpartition("/")[2]
+
+
+def watches_alias(source: str | None) -> bool:
+    """Whether a draft source is a registry alias, which can move (a version number or a folder cannot)."""
+    from pipelines.storage import is_registry_uri
+
+    return bool(source) and is_registry_uri(source) and "@" in source
+
+
 @dataclass
 class LoadedModels:
     target: torch.nn.Module

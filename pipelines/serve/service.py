@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
@@ -20,62 +18,14 @@ from pipelines.serve import protocol as P
 from pipelines.serve import responses as R
 from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
 from pipelines.serve.acceptance_report import AcceptanceReporter, reference_tau, registry_version, resolve_hook
-from pipelines.serve.config import ServeConfig
+from pipelines.serve.config import ServeConfig, resolve_api_key
 from pipelines.serve.engine import Engine
-from pipelines.serve.rows import Event, GenerationRequest, Overloaded
 from pipelines.serve.metrics import ServeMetrics
-from pipelines.serve.models import load_draft_for, load_models
+from pipelines.serve.models import LOCAL_DRAFT, NO_DRAFT, load_draft_for, load_models, pin_draft, watches_alias
+from pipelines.serve.rows import Event, GenerationRequest, Overloaded
 from pipelines.traffic import resolve_hook as resolve_redaction
 
 log = logging.getLogger(__name__)
-API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
-API_KEY_FILE_ENV = "EAGLE3_SERVE_API_KEY_FILE"
-LOCAL_DRAFT = "local"  # the version label of a draft loaded from a folder or URL (no registry version)
-NO_DRAFT = "none"  # ... and of plain decoding
-
-
-def pin_draft(source: str | None) -> tuple[str | None, str | None]:
-    """(what to load, its version label): `models:/<name>@<alias>` -> `models:/<name>/<N>` (the version the alias
-    names now) and "N"; `models:/<name>/<N>` -> itself and "N"; a folder or URL -> itself and "local"."""
-    from pipelines.storage import is_registry_uri, pin_registry_uri
-
-    if not source:
-        return None, None
-    if not is_registry_uri(source):
-        return source, LOCAL_DRAFT
-    pinned = pin_registry_uri(source)
-    return pinned, pinned.rpartition("/")[2]
-
-
-def watches_alias(source: str | None) -> bool:
-    """Whether a draft source is a registry alias, which can move (a version number or a folder cannot)."""
-    from pipelines.storage import is_registry_uri
-
-    return bool(source) and is_registry_uri(source) and "@" in source
-
-
-def resolve_api_key(config: ServeConfig) -> str | None:
-    """The bearer token: `api_key`, else the file `api_key_file` (or $EAGLE3_SERVE_API_KEY_FILE) names, else
-    $EAGLE3_SERVE_API_KEY; None = no auth. A named file that is missing or empty, or no token while
-    `require_api_key`, stops the replica: serving without auth by accident is worse than not serving."""
-    if config.api_key:
-        return config.api_key
-    path = config.api_key_file or os.environ.get(API_KEY_FILE_ENV)
-    if path:
-        try:
-            key = Path(path).read_text().strip()
-        except OSError as err:
-            raise RuntimeError(f"cannot read the serve API key file {path}: {err}") from err
-        if not key:
-            raise RuntimeError(f"the serve API key file {path} is empty")
-        return key
-    key = os.environ.get(API_KEY_ENV) or None
-    if key is None and config.require_api_key:
-        raise RuntimeError("this deployment requires an API key, but the replica found none: mount it as a file "
-                           f"and set api_key_file (or {API_KEY_FILE_ENV})")
-    return key
-
-
 class Service:
     def __init__(self, config: ServeConfig, use_ray_metrics: bool = False):
         import torch
