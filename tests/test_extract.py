@@ -1,5 +1,6 @@
 """Ray Data extraction on a local cluster: exact features, correct masks, complete manifest, exactly-once resume."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -44,6 +45,22 @@ def base_config(tmp_path, target, **overrides) -> ExtractConfig:
 
 def read_rows(output):
     return sorted(read_features(output).take_all(), key=lambda r: r["id"])
+
+
+@pytest.fixture(scope="module")
+def plain(ray_cluster, tmp_path_factory, tiny_target_dir):
+    """One extraction of the original replies (no regeneration), made once for the module: tests that only read an
+    output read this one; tests that change an output change a copy of it (`copy_of`)."""
+    config = base_config(tmp_path_factory.mktemp("plain"), tiny_target_dir, regenerate=False, tokens_per_batch=4096)
+    return config, run_extract(config)
+
+
+def copy_of(plain, tmp_path) -> ExtractConfig:
+    """The module's plain output copied to tmp_path/out: the same corpus file and settings, so the same
+    fingerprint (which names the corpus, not the output)."""
+    config, _ = plain
+    shutil.copytree(config.output, tmp_path / "out")
+    return dataclasses.replace(config, output=str(tmp_path / "out"))
 
 
 def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_path, tiny_target_dir):
@@ -95,9 +112,8 @@ def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_pat
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "features").glob("*.parquet")} == stamps
 
 
-def test_streaming_yields_the_written_features(ray_cluster, tmp_path, tiny_target_dir):
-    config = base_config(tmp_path, tiny_target_dir, regenerate=False, tokens_per_batch=4096)
-    run_extract(config)
+def test_streaming_yields_the_written_features(plain):
+    config, _ = plain
     written = read_rows(config.output)
     streamed = sorted(stream_features(config).take_all(), key=lambda r: r["id"])
     assert [r["id"] for r in streamed] == [r["id"] for r in written] == [f"conv{i}" for i in range(7)]
@@ -219,7 +235,7 @@ def test_regenerate_with_must_name_hf_or_an_openai_server(tmp_path, tiny_target_
         base_config(tmp_path, tiny_target_dir, regenerate_with="openai:127.0.0.1:8000")
 
 
-def test_an_output_made_differently_is_refused_naming_the_fields(ray_cluster, tmp_path, tiny_target_dir,
+def test_an_output_made_differently_is_refused_naming_the_fields(plain, tmp_path, tiny_target_dir,
                                                                   smollm2_tokenizer):
     """A rerun on an existing output with another max_length, another target (other weights) or regeneration
     settings is refused before any work, naming each differing field, and leaves the output as it was;
@@ -227,8 +243,7 @@ def test_an_output_made_differently_is_refused_naming_the_fields(ray_cluster, tm
     from eagle_core.target import make_tiny_llama
     from pipelines.feature_files import FingerprintMismatch
 
-    config = base_config(tmp_path, tiny_target_dir, regenerate=False, tokens_per_batch=4096)
-    first = run_extract(config)
+    config, first = copy_of(plain, tmp_path), plain[1]
     assert first.fingerprint["max_length"] == 96 and first.fingerprint["regeneration"] is None
     features = tmp_path / "out" / "features"
     stamps = {p: p.stat().st_mtime_ns for p in features.glob("*.parquet")}
@@ -241,31 +256,30 @@ def test_an_output_made_differently_is_refused_naming_the_fields(ray_cluster, tm
                                     (other, {}, ["target_weights_hash"]),
                                     (tiny_target_dir, {"regenerate": True, "max_new_tokens": 4}, ["regeneration"])):
         with pytest.raises(FingerprintMismatch) as refused:
-            run_extract(base_config(tmp_path, target, **{"regenerate": False, **changes}))
+            run_extract(dataclasses.replace(config, target=str(target), **changes))
         message = str(refused.value)
         for field in fields:
             assert f"{field}:" in message, message
         assert "--overwrite" in message and "tokenizer_hash" not in message
     assert {p: p.stat().st_mtime_ns for p in features.glob("*.parquet")} == stamps  # nothing touched
 
-    elsewhere = base_config(tmp_path, other, regenerate=False, output=str(tmp_path / "reusing"),
-                            reuse_from=[config.output])
+    elsewhere = dataclasses.replace(config, target=str(other), output=str(tmp_path / "reusing"),
+                                    reuse_from=[config.output])
     with pytest.raises(FingerprintMismatch, match="reuse_from.*target_weights_hash"):
         run_extract(elsewhere)
 
-    replaced = run_extract(base_config(tmp_path, other, regenerate=False, overwrite=True))
+    replaced = run_extract(dataclasses.replace(config, target=str(other), overwrite=True))
     assert replaced.fingerprint["target_weights_hash"] != first.fingerprint["target_weights_hash"]
     assert load_manifest(config.output).fingerprint == replaced.fingerprint
     assert all(p.stat().st_mtime_ns != stamps.get(p) for p in features.glob("*.parquet"))
 
 
-def test_training_reads_exactly_the_manifests_shards(ray_cluster, tmp_path, tiny_target_dir):
+def test_training_reads_exactly_the_manifests_shards(plain, tmp_path):
     """A stale shard left in a reused features/ folder is not training data: the plan lists the manifest's shards
     only, and a listed shard that is missing is an error."""
     from pipelines.train.plan import scan_features
 
-    config = base_config(tmp_path, tiny_target_dir, regenerate=False, tokens_per_batch=4096)
-    manifest = run_extract(config)
+    config, manifest = copy_of(plain, tmp_path), plain[1]
     names = [s.name for s in manifest.shards]
     stale = tmp_path / "out" / "features" / "shard-00099-0000000000.parquet"
     shutil.copy(tmp_path / "out" / "features" / f"{names[0]}.parquet", stale)
