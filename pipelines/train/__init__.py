@@ -1,10 +1,12 @@
 """Ray Train job: EAGLE-3 training-time-test (TTT) training of the draft, with checkpoints, resume and MLflow.
 
-    features (an extraction output, or a stream of them) -> TorchTrainer workers -> draft -> export + registry
+    features (an extraction output, several mixed by weight, or a stream) -> TorchTrainer workers -> draft
+    -> export + registry
 
 One concern a module:
     config.py       TrainJobConfig (also the CLI and the MLflow params)
-    plan.py         driver: `TrainPlan`, held-out split, epoch order, global batches, rank shares; streaming first pass
+    plan.py         driver: `TrainPlan`, held-out split, sources mixed by weight, epoch order, global batches, rank
+                    shares; streaming first pass
     shards.py       driver: each rank's planned rows as a Ray Dataset, routed to it by name (`PlannedShards`)
     batches.py      worker: the `Batches` interface (planned files / streamed), row decoding and padding
     lineage.py      `Lineage`: where a draft comes from (its config.json, the MLflow params, summary.json)
@@ -29,13 +31,14 @@ _EXPORTS = {
     "batches": ["collate", "decode_row", "step_counts"],
     "checkpoint": ["full_state"],
     "collectives": ["all_reduce"],
-    "config": ["LM_HEAD_INITS", "STRATEGIES", "TrainJobConfig"],
+    "config": ["LM_HEAD_INITS", "STRATEGIES", "FeatureSource", "TrainJobConfig", "feature_sources"],
     "driver": ["CANDIDATE_ALIAS", "prepare_data", "run_train"],
     "lineage": ["Lineage"],
     "metrics": ["evaluate"],
     "model": ["TTTObjective", "build_draft", "inherited_vocab", "load_target_heads", "target_config", "vocab_from_counts", "warm_start",
               "wrap_objective"],
-    "plan": ["TrainPlan", "epoch_order", "pack_batches", "plan_steps", "scan_features", "split_heldout"],
+    "plan": ["TrainPlan", "epoch_order", "held_out_by_hash", "mix_rows", "pack_batches", "plan_steps", "scan_features",
+             "split_heldout"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

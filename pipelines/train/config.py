@@ -20,9 +20,41 @@ STRATEGIES = ("ddp", "fsdp")
 PACK_LONGEST = "longest"  # pack_length: rows as long as each step's longest conversation
 
 
+@dataclass(frozen=True)
+class FeatureSource:
+    """One source of a features-mode run's rows: an extraction's (or a traffic sink's) output URL, its share of each
+    epoch's training rows (`weight`, normalised over the sources; `plan.mix_rows`), and the fraction of its
+    conversations never read at all (`holdout`: those whose id hash falls below it, `plan.held_out_by_hash`; kept
+    for an evaluation elsewhere, e.g. retraining's held-out traffic)."""
+
+    url: str
+    weight: float = 1.0
+    holdout: float = 0.0
+
+
+def feature_sources(features) -> list[FeatureSource]:
+    """`TrainJobConfig.features` as sources: one URL (weight 1, nothing held out), or a list of URLs and
+    {url, weight, holdout} dicts; checked (weights >= 0 and not all 0, holdout in [0, 1))."""
+    if isinstance(features, str):
+        return [FeatureSource(features)]
+    if not isinstance(features, (list, tuple)) or not features:
+        raise ValueError(f"features must be a URL or a non-empty list of sources, got {features!r}")
+    try:
+        sources = [FeatureSource(f) if isinstance(f, str) else FeatureSource(**f) for f in features]
+    except TypeError as err:
+        raise ValueError(f"features: a source is a URL or {{url, weight, holdout}}: {err}") from err
+    if any(s.weight < 0 for s in sources) or not any(s.weight > 0 for s in sources):
+        raise ValueError(f"features: weights must be >= 0 and not all 0, got {[s.weight for s in sources]}")
+    if any(not 0 <= s.holdout < 1 for s in sources):
+        raise ValueError(f"features: holdout must be in [0, 1), got {[s.holdout for s in sources]}")
+    return sources
+
+
 @dataclass
 class TrainJobConfig:
-    features: str | None = None  # an extraction output URL (features mode)
+    # features mode: an extraction output URL, or several mixed: a list of URLs / {url, weight, holdout}
+    # (`FeatureSource`: each source's share of an epoch's training rows, and the part of it never read)
+    features: str | list | None = None
     corpus: str | None = None  # streaming mode: a corpus URL ('sharegpt' = embedded); `extract` holds the rest
     extract: dict = field(default_factory=dict)  # ExtractConfig fields for streaming (target/output excluded)
     output: str = "work/train"
@@ -68,6 +100,8 @@ class TrainJobConfig:
     def __post_init__(self):
         if (self.features is None) == (self.corpus is None):
             raise ValueError("give exactly one of features (an extraction output) or corpus (streaming)")
+        if self.features is not None:
+            feature_sources(self.features)  # a malformed list is refused here, before any work
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.lm_head_init not in LM_HEAD_INITS:

@@ -22,11 +22,12 @@ from pathlib import Path
 from pipelines.cluster import alive_nodes
 from pipelines.storage import (arrow_filesystem, commit_json, join, local_path, pin_registry_uri, upload_folder,
                                url_to_fs)
-from pipelines.train.config import TrainJobConfig
+from pipelines.train.config import TrainJobConfig, feature_sources
 from pipelines.train.faults import fault_step_from_env
 from pipelines.train.lineage import Lineage
 from pipelines.train.model import count_trainable, inherited_vocab, target_config, vocab_from_counts
-from pipelines.train.plan import TrainPlan, make_plan, scan_features, split_heldout, stream_first_pass
+from pipelines.train.plan import (TrainPlan, held_out_by_hash, make_plan, scan_features, split_heldout,
+                                  stream_first_pass)
 from pipelines.train.report import write_plots
 from pipelines.train.shards import build_planned_datasets, planned_shards_config
 
@@ -34,18 +35,73 @@ CANDIDATE_ALIAS = "candidate"
 
 
 def _files_data(config: TrainJobConfig, world: int) -> tuple[dict, TrainPlan, dict, Lineage, str]:
-    """Features mode: the plan, the per-rank planned datasets, and the manifest's lineage and sizes."""
+    """Features mode: the plan, the per-rank planned datasets, and the manifests' lineage and sizes."""
+    manifests, train_rows, eval_rows, weights = files_rows(config)
+    plan, train_entries, eval_entries = make_plan(train_rows, eval_rows, config, world, weights)
+    per_rank = build_planned_datasets(train_entries, eval_entries)
+    first = manifests[0]
+    meta = {"target_hidden_size": first.target_hidden_size, "target_vocab_size": first.target_vocab_size,
+            "dtype": first.dtype, "token_counts": mixed_token_counts(manifests, train_rows, weights)}
+    sources = feature_sources(config.features)
+    lineage = Lineage.of_features(config.features, first) if len(sources) == 1 else Lineage.of_sources(
+        [s.url for s in sources], manifests)
+    return meta, plan, per_rank, lineage, config.target or first.target
+
+
+def files_rows(config: TrainJobConfig) -> tuple[list, list[dict], list[dict], list[float] | None]:
+    """(manifests, training rows, held-out rows, weights or None) of a features-mode run, read on the driver (no Ray).
+
+    Every source's features must be the target's (`check_features_target`) and of one shape, dtype and aux layers
+    (`check_sources_agree`); a source's conversations below its `holdout` (by id hash) are dropped before anything
+    else; the training run's own held-out split (`eval_fraction`) is then taken over all the sources' rows
+    together. With one source the weights are None (every row once per epoch); rows carry their source's index."""
     from pipelines.feature_files import load_manifest
 
-    manifest = load_manifest(config.features)
-    check_features_target(config.features, manifest, config.target or manifest.target)
-    shards = [s.name for s in manifest.shards]  # exactly the manifest's shards, not whatever else the folder holds
-    train_rows, eval_rows = split_heldout(scan_features(config.features, shards), config.eval_fraction)
-    plan, train_entries, eval_entries = make_plan(train_rows, eval_rows, config, world)
-    per_rank = build_planned_datasets(train_entries, eval_entries)
-    meta = {"target_hidden_size": manifest.target_hidden_size, "target_vocab_size": manifest.target_vocab_size,
-            "dtype": manifest.dtype, "token_counts": manifest.token_counts}
-    return meta, plan, per_rank, Lineage.of_features(config.features, manifest), config.target or manifest.target
+    sources = feature_sources(config.features)
+    manifests = [load_manifest(s.url) for s in sources]
+    target = config.target or manifests[0].target
+    for source, manifest in zip(sources, manifests):
+        check_features_target(source.url, manifest, target)
+    check_sources_agree(sources, manifests)
+    rows = []
+    for i, (source, manifest) in enumerate(zip(sources, manifests)):
+        # exactly the manifest's shards, not whatever else the folder holds
+        scanned = scan_features(source.url, [s.name for s in manifest.shards])
+        rows += [{**r, "source": i} for r in scanned if not held_out_by_hash(r["id"], source.holdout)]
+    train_rows, eval_rows = split_heldout(rows, config.eval_fraction)
+    return manifests, train_rows, eval_rows, [s.weight for s in sources] if len(sources) > 1 else None
+
+
+SOURCE_SHAPE_FIELDS = ("target_hidden_size", "target_vocab_size", "aux_layer_ids", "dtype")
+
+
+def check_sources_agree(sources, manifests) -> None:
+    """Mixed sources are decoded as one: the same hidden size, vocabulary, aux layers and dtype as the first source's,
+    or FingerprintMismatch naming the fields."""
+    from pipelines.feature_files import check_fingerprint
+
+    shape = {k: getattr(manifests[0], k) for k in SOURCE_SHAPE_FIELDS}
+    for source, manifest in zip(sources[1:], manifests[1:]):
+        check_fingerprint(shape, {k: getattr(manifest, k) for k in SOURCE_SHAPE_FIELDS},
+                          f"the features in {source.url} (mixed with {sources[0].url})",
+                          "Mix only features of one target, extracted (or captured) with the same aux layers and "
+                          "dtype.")
+
+
+def mixed_token_counts(manifests, train_rows: list[dict], weights: list[float] | None) -> dict[int, int]:
+    """The loss-token counts the draft vocabulary is chosen from: one source's manifest counts; mixed, each source's
+    scaled by how many times an epoch draws its rows on average (its share of the rows / its rows), rounded."""
+    if weights is None:
+        return manifests[0].token_counts
+    rows = [0] * len(weights)
+    for r in train_rows:
+        rows[r["source"]] += 1
+    counts: dict[int, float] = {}
+    for manifest, weight, n in zip(manifests, weights, rows):
+        scale = len(train_rows) * weight / sum(weights) / max(n, 1)
+        for token, count in manifest.token_counts.items():
+            counts[token] = counts.get(token, 0.0) + scale * count
+    return {token: max(int(round(c)), 1) for token, c in counts.items() if c > 0}
 
 
 def check_features_target(features: str, manifest, target: str) -> None:
@@ -117,6 +173,20 @@ def features_shards_digest(manifest) -> str:
     return hashlib.sha256("\n".join(s.name for s in manifest.shards).encode()).hexdigest()[:16]
 
 
+def features_digest(features) -> str:
+    """`features_shards_digest` of one features URL; of several mixed sources, a hash of each one's digest with its
+    weight and holdout (a change in any of them is other training data)."""
+    import hashlib
+
+    from pipelines.feature_files import load_manifest
+
+    if isinstance(features, str):
+        return features_shards_digest(load_manifest(features))
+    parts = [f"{features_shards_digest(load_manifest(s.url))}:{s.weight!r}:{s.holdout!r}"
+             for s in feature_sources(features)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def training_fingerprint(config: TrainJobConfig) -> dict:
     """What made a training output: the decisive job fields, the target's weights by content and, in features
     mode, the extraction's fingerprint and the exact shard list of its manifest (a hash), in streaming mode the
@@ -130,10 +200,11 @@ def training_fingerprint(config: TrainJobConfig) -> dict:
     if config.features is not None:
         from pipelines.feature_files import load_manifest
 
-        manifest = load_manifest(config.features)
-        fingerprint["features_fingerprint"] = manifest.fingerprint
-        fingerprint["features_shards"] = features_shards_digest(manifest)
-        fingerprint["target_weights_hash"] = weights_fingerprint(config.target or manifest.target)
+        manifests = [load_manifest(s.url) for s in feature_sources(config.features)]
+        fingerprint["features_fingerprint"] = manifests[0].fingerprint if isinstance(config.features, str) \
+            else [m.fingerprint for m in manifests]
+        fingerprint["features_shards"] = features_digest(config.features)
+        fingerprint["target_weights_hash"] = weights_fingerprint(config.target or manifests[0].target)
     else:  # streaming: the target and the corpus by content (the path and the URL may hold new bytes)
         from pipelines.data import corpus_fingerprint
 

@@ -17,7 +17,7 @@ from pipelines.storage import join
 @dataclass
 class Lineage:
     target: str
-    features: str  # an extraction output URL, or "stream:<corpus>"
+    features: str  # an extraction output URL, several joined by " + " (mixed sources), or "stream:<corpus>"
     aux_layer_ids: list[int]
     target_weights_hash: str | None = None
     features_manifest_sha256: str | None = None
@@ -31,6 +31,15 @@ class Lineage:
                    target_weights_hash=manifest.target_weights_hash,
                    features_manifest_sha256=manifest_digest(features),
                    features_mlflow_run_id=manifest.mlflow_run_id)
+
+    @classmethod
+    def of_sources(cls, urls: list[str], manifests: list) -> "Lineage":
+        """The lineage of a draft trained on several mixed features sources: their URLs and manifest digests
+        joined, the first source's target and extraction run."""
+        first = cls.of_features(urls[0], manifests[0])
+        first.features = " + ".join(urls)
+        first.features_manifest_sha256 = ",".join(manifest_digest(url) for url in urls)
+        return first
 
     def to_json(self) -> dict:
         return asdict(self)

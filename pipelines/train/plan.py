@@ -3,6 +3,8 @@
 Features mode: every optimiser step of every epoch is planned up front, independently of the number of
 workers, from the `id` and `input_ids` columns of the Parquet shards:
   - held-out split: the `eval_fraction` of conversations whose id hash is smallest (stable across runs);
+  - several sources (`config.feature_sources`): each source's conversations whose id hash falls below its
+    `holdout` are never read; each epoch's training rows are drawn from the sources by weight (`mix_rows`);
   - epoch order: the shards in a seeded permutation, the rows of each shard in a seeded permutation (reads
     stay shard-sequential, nothing is shuffled through the object store);
   - global batches: consecutive rows up to `tokens_per_batch` real tokens (one optimiser step);
@@ -82,11 +84,43 @@ def scan_features(features: str, shards: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def held_out_by_hash(conversation_id: str, fraction: float) -> bool:
+    """Whether a conversation falls in the `fraction` of id-hash space kept out of training (for an evaluation
+    elsewhere). Decided by its id alone, so it holds as a source grows (a traffic sink adds rows): a conversation
+    held out once is held out in every later run with the same fraction."""
+    return int(id_hash(conversation_id)[:15], 16) < fraction * 16 ** 15
+
+
 def split_heldout(rows: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
     """(train, eval): the ceil(fraction * n) rows with the smallest id hash are held out; at least one trains."""
     n_eval = min(math.ceil(eval_fraction * len(rows)), max(len(rows) - 1, 0)) if eval_fraction > 0 else 0
     held = {r["id"] for r in sorted(rows, key=lambda r: id_hash(r["id"]))[:n_eval]}
     return [r for r in rows if r["id"] not in held], [r for r in rows if r["id"] in held]
+
+
+def mix_rows(rows: list[dict], weights: list[float], seed: int, epoch: int) -> list[dict]:
+    """One epoch's training rows drawn from several sources (each row's `source`: an index into `weights`).
+
+    The epoch keeps the length of all the sources' rows together (N); source i supplies round(N * w_i / sum(w))
+    of them (the last source the rest): every row of it as many whole times as fit, then a seeded sample, new
+    each epoch, of the remainder. A source with fewer rows than its share repeats them; one with more is
+    subsampled (a different sample each epoch). The order is left to `epoch_order`."""
+    by_source: dict[int, list[dict]] = {i: [] for i in range(len(weights))}
+    for r in rows:
+        by_source[r["source"]].append(r)
+    total, norm = len(rows), sum(weights)
+    counts = [round(total * w / norm) for w in weights[:-1]]
+    counts.append(max(total - sum(counts), 0))
+    rng = random.Random(seed * 1_000_003 + epoch + 1)
+    mixed = []
+    for i, n in enumerate(counts):
+        pool = by_source[i]
+        if n and not pool:
+            raise ValueError(f"features source {i} has weight {weights[i]} but no training rows")
+        if n:
+            whole, rest = divmod(n, len(pool))
+            mixed += pool * whole + rng.sample(pool, rest)
+    return mixed
 
 
 def epoch_order(rows: list[dict], seed: int, epoch: int) -> list[dict]:
@@ -131,34 +165,40 @@ def split_over_ranks(batch: list[dict], world: int) -> list[list[dict]]:
 
 
 def plan_steps(batches: list[list[dict]], world: int) -> list[list[dict]]:
-    """Per rank, its plan rows {file, row, step, slot}: read order (file by file), `slot` = order in its micro-batch."""
+    """Per rank, its plan rows {file, row, step, slot}: read order (file by file), `slot` = order in its micro-batch.
+
+    A row drawn more than once in an epoch (`mix_rows` repeats a small source's rows) is planned once per step it
+    is in: positions are per (file, row, step), so the read order stays the step order the workers consume."""
     per_rank = [[] for _ in range(world)]
     position = {}
     for step, batch in enumerate(batches):
         for r in batch:
-            position[(r["file"], r["row"])] = len(position)
+            position.setdefault((r["file"], r["row"], step), len(position))
         for rank, share in enumerate(split_over_ranks(batch, world)):
             per_rank[rank] += [{"file": r["file"], "row": r["row"], "step": step, "slot": slot}
                                for slot, r in enumerate(share)]
     for entries in per_rank:
-        entries.sort(key=lambda e: position[(e["file"], e["row"])])
+        entries.sort(key=lambda e: position[(e["file"], e["row"], e["step"])])
     return per_rank
 
 
-def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobConfig, world: int):
+def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobConfig, world: int,
+              weights: list[float] | None = None):
     """(the TrainPlan, per rank the plan rows of every epoch [epoch][rank], per rank those of the held-out split).
 
-    With packing (`config.pack_length`) a conversation longer than the row is refused here, before any worker
-    starts (BadBatch naming it)."""
+    `weights`: the rows come from several sources (each row's `source`), drawn per epoch by `mix_rows`; None: every
+    training row once per epoch. With packing (`config.pack_length`) a conversation longer than the row is refused
+    here, before any worker starts (BadBatch naming it)."""
     if isinstance(config.pack_length, int):  # "longest" fits every conversation
         every = train_rows + eval_rows
         refuse_longer_than_row([r["length"] for r in every], config.pack_length, [r["id"] for r in every])
-    epochs = [pack_batches(epoch_order(train_rows, config.seed, e), config.tokens_per_batch)
-              for e in range(config.epochs)]
+    drawn = [train_rows if weights is None else mix_rows(train_rows, weights, config.seed, e)
+             for e in range(config.epochs)]
+    epochs = [pack_batches(epoch_order(rows, config.seed, e), config.tokens_per_batch) for e, rows in enumerate(drawn)]
     eval_batches = pack_batches(sorted(eval_rows, key=lambda r: id_hash(r["id"])), config.tokens_per_batch)
     plan = TrainPlan(mode="files", steps_per_epoch=[len(b) for b in epochs], eval_steps=len(eval_batches),
-                     tokens_per_epoch=sum(r["length"] for r in train_rows), train_rows=len(train_rows),
-                     eval_rows=len(eval_rows))
+                     tokens_per_epoch=sum(r["length"] for r in (drawn[0] if weights and drawn else train_rows)),
+                     train_rows=len(train_rows), eval_rows=len(eval_rows))
     return plan, [plan_steps(b, world) for b in epochs], plan_steps(eval_batches, world)
 
 
