@@ -9,6 +9,14 @@ registry's `champion` only if its greedy tau beats the champion's by --margin; o
 decision is a compare-and-set under a lock held in the registry: a champion that moved since the evaluation is
 evaluated again first. `--rollback` restores the champion that the current one replaced.
 
+    python jobs/retrain.py --scales 1.0 --traffic s3://bucket/traffic --traffic-ratio 0.5
+
+--traffic retrains from served traffic (a deployment's traffic sink output, pipelines/retrain_traffic.py): the
+fraction --traffic-ratio of the training rows is drawn from it, the conversations below --traffic-eval-fraction by
+id hash are never trained on and are decoded as a second evaluation set; the candidate becomes champion only if
+its tau on that held-out traffic beats the champion's by --margin and its tau on --eval-prompts is no more than
+--base-margin below the champion's.
+
 The recipe in force (--recipe, else the target's: eagle_core/recipes/) fills the extraction's max length and aux
 layers and the training's draft vocabulary, TTT steps, tokens per step and schedule wherever --extract / --train do
 not set them; a warm-started candidate's lr is --warm-start-lr, a candidate from scratch takes the recipe's.
@@ -56,7 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-cpus", type=float, default=d.eval_cpus, help="CPUs of the evaluation task")
     p.add_argument("--eval-gpus", type=float, default=d.eval_gpus,
                    help="GPUs of the evaluation task (default: 1 when the cluster has GPUs)")
-    p.add_argument("--margin", type=float, default=d.margin, help="tau gain over the champion needed for promotion")
+    p.add_argument("--margin", type=float, default=d.margin,
+                   help="tau gain over the champion needed for promotion (on held-out traffic, with --traffic)")
+    p.add_argument("--traffic", default=None, help="URL of a traffic sink's output to mix into training and "
+                   "evaluate on (its manifest's fingerprint must be --target's)")
+    p.add_argument("--traffic-ratio", type=float, default=d.traffic_ratio,
+                   help="with --traffic: the fraction of each epoch's training rows drawn from traffic")
+    p.add_argument("--traffic-eval-fraction", type=float, default=d.traffic_eval_fraction,
+                   help="with --traffic: the conversations (by id hash) never trained on; --eval-count of them are "
+                        "decoded as the traffic evaluation")
+    p.add_argument("--base-margin", type=float, default=d.base_margin,
+                   help="with --traffic: the most the tau on --eval-prompts may fall for a promotion")
     p.add_argument("--lock-ttl-s", type=float, default=d.lock_ttl_s,
                    help="the promotion lock lapses this long after its holder's last progress (must exceed the "
                         "evaluation's longest silent phase, the target's load)")

@@ -275,20 +275,26 @@ def _expires_key(token: str) -> str:
 class Decision:
     promoted: bool
     champion_version: str | None  # the champion the new version was finally compared with
-    champion_tau: float | None
+    champion_tau: float | dict | None  # a score as the caller gave them (`decide_promotion`)
     moved: int  # times the champion had moved since the caller's comparison (each re-evaluated)
 
 
-def decide_promotion(name: str, version, new_tau: float, observed: str | None, observed_tau: float | None,
-                     margin: float, evaluate_champion: Callable[[str], float], lease: PromotionLease | None = None,
-                     max_moves: int = 3) -> Decision:
+def decide_promotion(name: str, version, new_tau: float | dict, observed: str | None,
+                     observed_tau: float | dict | None, margin: float, evaluate_champion: Callable[[str], float | dict],
+                     lease: PromotionLease | None = None, max_moves: int = 3,
+                     beats: Callable[[dict, dict], bool] | None = None) -> Decision:
     """Compare-and-set: under the lease, re-read `name@champion`; if it is no longer `observed` (the version the
     caller evaluated, None for no champion), evaluate the new champion (`evaluate_champion(version) -> tau`) and
     compare again; then alias `version` champion when its tau beats the champion's by `margin`, else candidate.
     The new champion is tagged with the version it replaced. Every decision tags `version` with the champion it
     was compared with (DECIDED_AGAINST_TAG). `evaluate_champion` runs under the lease: it must report progress
     (`lease.progress()`) at least once per `lease.ttl_s`, or the lease lapses and the decision ends in
-    PromotionConflict with nothing changed."""
+    PromotionConflict with nothing changed.
+
+    A score (the new version's, the champion's, what `evaluate_champion` returns) is a tau, or a dict of named
+    taus (retraining from traffic: {"tau": on the base evaluation set, "traffic_tau": on held-out traffic}); each
+    named tau is tagged on `version` under its name. `beats(new, champion)` decides between dict scores; None: new
+    > champion + margin."""
     version = str(version)
     observed = None if observed is None else str(observed)
     lease = lease or PromotionLease(name)
@@ -313,9 +319,11 @@ def decide_promotion(name: str, version, new_tau: float, observed: str | None, o
             observed = current
         if observed == version:  # already the champion (a rerun of a run that promoted it): nothing to compare
             champion_tau = None
-        promoted = champion_tau is None or new_tau > champion_tau + margin
+        promoted = champion_tau is None or (beats(new_tau, champion_tau) if beats is not None
+                                            else new_tau > champion_tau + margin)
         lease.verify()  # the alias moves only while this process holds the lock
-        c.set_model_version_tag(name, version, "tau", f"{new_tau:.4f}")
+        for key, tau in (new_tau if isinstance(new_tau, dict) else {"tau": new_tau}).items():
+            c.set_model_version_tag(name, version, key, f"{tau:.4f}")
         c.set_model_version_tag(name, version, DECIDED_AGAINST_TAG, observed or "none")
         if promoted and observed not in (None, version):
             c.set_model_version_tag(name, version, PREVIOUS_CHAMPION_TAG, observed)
@@ -367,3 +375,24 @@ def rollback(name: str, lease: PromotionLease | None = None) -> tuple[str, str]:
         c.set_model_version_tag(name, str(current.version), ROLLED_BACK_TAG, previous)
         _move_alias(held, name, CHAMPION, previous)
         return str(current.version), previous
+
+
+def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, experiment: str = "eagle3-retrain",
+                          run_name: str = "register-draft", expected_champion: str | None = None) -> int:
+    """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
+    with `alias`; returns the new version.
+
+    `champion` moves only by compare-and-set under the promotion lock (`registry.set_champion`): the version
+    becomes champion only if the champion is still `expected_champion` (None: there is none), else
+    PromotionConflict is raised and the champion found stays (the new version stays registered, without alias)."""
+    from pipelines import tracking
+
+    c = client()
+    run_id = c.create_run(tracking.ensure_experiment(experiment), run_name=run_name).info.run_id
+    c.log_param(run_id, "source", str(folder))
+    c.log_artifacts(run_id, str(folder), "draft")
+    c.set_terminated(run_id)
+    version = tracking.register_artifact(run_id, "draft", name, None if alias == CHAMPION else alias)
+    if alias == CHAMPION:
+        set_champion(name, version, expected_champion)
+    return version

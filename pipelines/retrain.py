@@ -6,7 +6,8 @@ larger scale only regenerates and extracts the rows it adds; a scale whose draft
 skips training. Evaluation decodes held-out prompts greedily with the new draft and with the current
 champion; the new version takes alias `champion` only when its tau beats the champion's by `margin`,
 otherwise it stays `candidate`. One MLflow parent run per invocation, one child run per scale, and the
-tau-vs-data-scale curve (EAGLE-3's scaling property, for this target) as a plot on the parent.
+tau-vs-data-scale curve (EAGLE-3's scaling property, for this target) as a plot on the parent. With `traffic` the
+drafts also train on served traffic and are compared on its held-out slice too (pipelines/retrain_traffic.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from dataclasses import asdict, dataclass, field
 from eagle_core.tree import TreeConfig
 from pipelines.console import progress
 from pipelines.registry import (CANDIDATE, CHAMPION, PromotionConflict, PromotionLease,  # noqa: F401 (re-exported)
-                                alias_version, client as registry_client, decide_promotion, rollback, set_champion)
+                                alias_version, client as registry_client, decide_promotion, register_draft_folder,
+                                rollback)
+from pipelines.retrain_traffic import (TRAFFIC_SET, check_traffic, extract_overrides, promotion_rule, promotion_score,
+                                       traffic_prompts, traffic_result, training_features)
 from pipelines.storage import exists, join, read_bytes, resolve_source
 
 
@@ -38,7 +42,13 @@ class RetrainConfig:
     eval_count: int = 8  # held-out prompts decoded per evaluation
     eval_max_new_tokens: int = 64
     eval_tree: TreeConfig = field(default_factory=TreeConfig)  # the decoding tree of the evaluation
-    margin: float = 0.05  # tau the new draft must gain over the champion to replace it
+    margin: float = 0.05  # tau the new draft must gain over the champion to replace it (on traffic, with `traffic`)
+    # Retraining from traffic (pipelines/retrain_traffic.py): a traffic sink's output mixed into training, its
+    # held-out slice (by conversation id hash) decoded as a second evaluation set beside eval_prompts
+    traffic: str | None = None
+    traffic_ratio: float = 0.5  # the fraction of each epoch's training rows drawn from traffic
+    traffic_eval_fraction: float = 0.1  # the traffic conversations never trained on; eval_count of them decoded
+    base_margin: float = 0.1  # with traffic: tau on eval_prompts may fall by at most this for a promotion
     warm_start: bool = True  # initialise from the current champion when its shapes fit
     # learning rate of a warm-started candidate unless `train` sets one: fine-tuning takes a smaller step than
     # training from scratch (the recipe's lr); the shipped draft's warm-started runs used 2e-4 and 3e-4
@@ -103,15 +113,15 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: Retrai
     tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
     interleaved, the three in rotating order) with that tree every round, with the auto policy (trees only
     where they pay: what a user gets; it starts from the auto-tune's measurements) and plainly (the baseline
-    of both speed-ups). prompts: `pipelines.prompt_sets` items; tau is also reported per set of them (from the
-    tuned tree's rounds)."""
+    of both speed-ups). prompts: `pipelines.prompt_sets` items, or {"set", "ids"} with the prompt's token ids (the
+    held-out traffic); tau is also reported per set of them (from the tuned tree's rounds)."""
     from eagle_core.autotune import DEFAULT_SIZES, autotune, rotation
     from eagle_core.chat import prompt_ids
     from eagle_core.decoding import available_modes
     from eagle_core.generate import generate
     from eagle_core.policy import ModeChooser
 
-    ids = [prompt_ids(tokenizer, item["messages"]) for item in prompts]
+    ids = [item["ids"] if "ids" in item else prompt_ids(tokenizer, item["messages"]) for item in prompts]
     full = config.eval_tree
     sizes = [s for s in DEFAULT_SIZES if s < full.total_tokens] + [full.total_tokens]
     context = sum(map(len, ids)) // len(ids) + config.eval_max_new_tokens // 2
@@ -150,41 +160,21 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: Retrai
 
 
 # --------------------------------------------------------------------------------------------------
-# Registry
-# --------------------------------------------------------------------------------------------------
-
-def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, experiment: str = "eagle3-retrain",
-                          run_name: str = "register-draft", expected_champion: str | None = None) -> int:
-    """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
-    with `alias`; returns the new version.
-
-    `champion` moves only by compare-and-set under the promotion lock (`registry.set_champion`): the version
-    becomes champion only if the champion is still `expected_champion` (None: there is none), else
-    PromotionConflict is raised and the champion found stays (the new version stays registered, without alias)."""
-    from pipelines import tracking
-
-    client = registry_client()
-    run_id = client.create_run(tracking.ensure_experiment(experiment), run_name=run_name).info.run_id
-    client.log_param(run_id, "source", str(folder))
-    client.log_artifacts(run_id, str(folder), "draft")
-    client.set_terminated(run_id)
-    version = tracking.register_artifact(run_id, "draft", name, None if alias == CHAMPION else alias)
-    if alias == CHAMPION:
-        set_champion(name, version, expected_champion)
-    return version
-
-
-
-
-# --------------------------------------------------------------------------------------------------
 # The job
 # --------------------------------------------------------------------------------------------------
+
+def features_url(config: RetrainConfig, rows: int) -> str:
+    """Where a scale's features are extracted; `rows-<rows>-traffic` with traffic (`extract_overrides`: its own
+    dtype and aux layers, which an extraction output's fingerprint would refuse in the plain folder)."""
+    return join(config.work, "features", f"rows-{rows}" + ("-traffic" if config.traffic else ""))
+
 
 def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
     from pipelines.extract import ExtractConfig, run_extract
 
-    extract = ExtractConfig(**{**config.extract, "corpus": config.corpus, "target": config.target, "limit": rows,
-                               "output": join(config.work, "features", f"rows-{rows}"),
+    extract = ExtractConfig(**{**config.extract, **extract_overrides(config), "corpus": config.corpus,
+                               "target": config.target, "limit": rows,
+                               "output": features_url(config, rows),
                                "reuse_from": [*config.extract.get("reuse_from", []), *earlier],
                                "mlflow_experiment": config.extract.get("mlflow_experiment")})
     return run_extract(extract)
@@ -203,15 +193,14 @@ def _train_scale(config: RetrainConfig, rows: int, features: str, init_from: str
     return run_train(_scale_job(config, rows, features, init_from, output))
 
 
-def draft_output(config: RetrainConfig, rows: int, features: str) -> str:
+def draft_output(config: RetrainConfig, rows: int, features: str | list) -> str:
     """Where the scale's draft is trained: `drafts/rows-<rows>`, unless a draft of other features was trained (or
     started) there. Then the corpus was edited in place since (the features' shard names hash their rows'
     content, so the shard list changed), and the new features are trained in `drafts/rows-<rows>-<shard-list
     hash>` rather than refused; every other difference is still refused by `_check_trained`."""
-    from pipelines.feature_files import load_manifest
-    from pipelines.train.driver import features_shards_digest
+    from pipelines.train.driver import features_digest
 
-    base = join(config.work, "drafts", f"rows-{rows}")
+    base = join(config.work, "drafts", f"rows-{rows}" + ("-traffic" if config.traffic else ""))
     recorded = None
     for name in ("summary.json", "train_run.json"):  # a finished run, else one started
         if exists(join(base, name)):
@@ -219,7 +208,7 @@ def draft_output(config: RetrainConfig, rows: int, features: str) -> str:
             break
     if recorded is None or recorded.get("features_shards") is None:
         return base  # nothing trained there yet (or by a version that did not record it: checked as before)
-    shards = features_shards_digest(load_manifest(features))
+    shards = features_digest(features)
     return base if recorded["features_shards"] == shards else f"{base}-{shards}"
 
 
@@ -285,10 +274,16 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, be
     tick()
     prompts, _ = prompt_set(config.eval_prompts, tokenizer, config.eval_count, 0,
                             answer=target_answerer(target, tokenizer, config.eval_max_new_tokens))
+    traffic = traffic_prompts(config.traffic, config.traffic_eval_fraction, config.eval_count) if config.traffic \
+        else None  # with traffic: its held-out slice too, as result[TRAFFIC_SET]
     tick()
-    return {name: evaluate_draft(target, tokenizer, load_draft(resolve_source(source), target=target), prompts, config,
-                                 on_progress=tick)
-            for name, source in sources.items()}
+    results = {}
+    for name, source in sources.items():
+        draft = load_draft(resolve_source(source), target=target)
+        results[name] = evaluate_draft(target, tokenizer, draft, prompts, config, on_progress=tick)
+        if traffic:
+            results[name][TRAFFIC_SET] = evaluate_draft(target, tokenizer, draft, traffic, config, on_progress=tick)
+    return results
 
 
 class ProgressBeacon:
@@ -350,12 +345,13 @@ def evaluate_on_worker(config: RetrainConfig, sources: dict, lease: PromotionLea
 
 def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
     manifest = _extract_scale(config, rows, earlier)
-    features = join(config.work, "features", f"rows-{rows}")
+    features = features_url(config, rows)
     earlier.append(features)
     champion = alias_version(config.registered_model, CHAMPION)
     # the champion by its registry URI: train workers on any node fetch it through the tracking server
     champion_uri = f"models:/{config.registered_model}/{champion.version}" if champion else None
-    trained = _train_scale(config, rows, features, champion_uri if config.warm_start else None)
+    trained = _train_scale(config, rows, training_features(config, features),
+                           champion_uri if config.warm_start else None)
     version = trained["model_version"]
     sources = {"new": f"models:/{config.registered_model}/{version}"}
     if champion is not None and str(champion.version) != str(version):  # a rerun re-evaluates the champion alone
@@ -366,15 +362,15 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
 
     lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
 
-    def evaluate_champion(moved_to: str) -> float:  # the champion moved since: compare with the new one (under
-        nonlocal champion_eval  # the lock: it reports progress to the lease and has a deadline)
+    def evaluate_champion(moved_to: str):  # the champion moved since: compare with the new one (under the lock:
+        nonlocal champion_eval  # it reports progress to the lease and has a deadline)
         champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"},
                                            lease=lease, timeout_s=config.eval_timeout_s)["champion"]
-        return champion_eval["tau"]
+        return promotion_score(config, champion_eval)
 
-    decision = decide_promotion(config.registered_model, version, new["tau"], observed,
-                                champion_eval["tau"] if champion_eval else None, config.margin, evaluate_champion,
-                                lease)
+    decision = decide_promotion(config.registered_model, version, promotion_score(config, new), observed,
+                                promotion_score(config, champion_eval), config.margin, evaluate_champion, lease,
+                                beats=promotion_rule(config))
     promoted = decision.promoted
     if decision.champion_version in (None, str(version)):
         champion_eval = None
@@ -389,7 +385,8 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
             "champion_version": int(decision.champion_version) if decision.champion_version else None,
             "champion_moved": decision.moved,
             "reused_shards": len(manifest.reused_shards), "shards": len(manifest.shards),
-            "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"]}
+            "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"],
+            **traffic_result(config, new, champion_eval)}
 
 
 def run_retrain(config: RetrainConfig) -> dict:
@@ -408,6 +405,8 @@ def run_retrain(config: RetrainConfig) -> dict:
     corpus_rows = config.corpus_rows or (count_corpus_rows(config.corpus) if any(s <= 1 for s in config.scales) else 0)
     scales = sorted({scale_rows(s, corpus_rows) for s in config.scales})
     check_eval_prompts(config.eval_prompts)
+    if config.traffic:  # a traffic URL without a manifest, or of another target, is refused before any work
+        check_traffic(config)
     client = registry_client()
     experiment_id = tracking.ensure_experiment(config.mlflow_experiment)
     parent = client.create_run(experiment_id, run_name="retrain").info.run_id
@@ -422,8 +421,10 @@ def run_retrain(config: RetrainConfig) -> dict:
         result["child_run_id"] = child
         for key in ("rows", "version", "reused_shards", "train_run_id", "features", "draft"):
             client.log_param(child, key, result[key])
-        for key in ("tau", "tokens_per_s", "plain_tokens_per_s", "speedup", "shards"):
-            client.log_metric(child, key, float(result[key]))
+        for key in ("tau", "tokens_per_s", "plain_tokens_per_s", "speedup", "shards", "champion_tau", "traffic_tau",
+                    "champion_traffic_tau"):
+            if result.get(key) is not None:  # the champion's taus: when there was one; traffic taus: with traffic
+                client.log_metric(child, key, float(result[key]))
         client.log_metric(child, "promoted", float(result["promoted"]))
         for name, tau in result["tree_tau_by_set"].items():
             client.log_metric(child, f"tree_tau/{name}", tau)
