@@ -11,6 +11,7 @@ base_margin, with both taus tagged on the version.
 """
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -150,3 +151,36 @@ def test_promotion_through_the_compare_and_set_follows_both_taus(tmp_path):
     assert decision.promoted and str(alias_version(name, CHAMPION).version) == better
     tags = client().get_model_version(name, better).tags
     assert (tags["tau"], tags["traffic_tau"], tags["eagle3.previous_champion"]) == ("1.9500", "1.9000", first)
+
+
+def test_the_drift_hook_starts_the_scheduled_retraining_with_only_the_rights_it_needs(tmp_path, monkeypatch):
+    """infra/retrain-on-drift.yaml's hook, resolved and run as a replica runs it (`acceptance_report.resolve_hook`)
+    against a fake kubectl: one Job created from the schedule's CronJob, named after the alert's time; its Role
+    grants reading that CronJob and creating Jobs, to the service account it binds, nothing more."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from pipelines.serve.acceptance_report import resolve_hook
+
+    infra = Path(__file__).resolve().parents[1] / "infra"
+    docs = {d["kind"]: d for d in yaml.safe_load_all((infra / "retrain-on-drift.yaml").read_text())}
+    cronjob = next(d for d in yaml.safe_load_all((infra / "retrain-schedule.yaml").read_text())
+                   if d["kind"] == "CronJob")["metadata"]["name"]
+    role = docs["Role"]
+    assert sorted(map(json.dumps, role["rules"])) == sorted(map(json.dumps, [
+        {"apiGroups": ["batch"], "resources": ["cronjobs"], "resourceNames": [cronjob], "verbs": ["get"]},
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create"]}]))
+    binding = docs["RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": docs["ServiceAccount"]["metadata"]["name"]}]
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\n')
+    (bin_dir / "kubectl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    resolve_hook(role["metadata"]["annotations"]["eagle3/drift-hook"], 30)({"category": "code", "window_tau": 1.2})
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 1 and re.fullmatch(rf"create job {cronjob}-drift-\d{{10}} --from=cronjob/{cronjob}", calls[0])
