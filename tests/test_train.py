@@ -163,9 +163,15 @@ def test_an_unpacked_two_worker_job_follows_the_packed_single_worker_run(feature
         assert torch.allclose(a[name].float(), b[name].float(), rtol=1e-3, atol=1e-5), name
 
 
-def test_killed_run_resumes_to_the_clean_result(features, clean, s3_endpoint, tmp_path, monkeypatch):
-    """SIGKILL the worker after step 4 (its last checkpoint is step 3), then rerun the CLI with --resume. The run's
-    output (Ray Train's storage, checkpoints, the exported draft, summary.json) is on S3 (moto on 127.0.0.1)."""
+def test_a_killed_run_resumes_and_a_killed_worker_restarts_to_the_clean_result(features, clean, s3_endpoint, tmp_path,
+                                                                              monkeypatch):
+    """Both recoveries, each from its latest checkpoint, on a run whose output (Ray Train's storage, checkpoints,
+    the exported draft, summary.json) is on S3 (moto on 127.0.0.1):
+    - across runs: SIGKILL the worker after step 4 with max_failures=0 (the run fails; its last checkpoint is step
+      3), then the CLI with --resume continues from step 3;
+    - within a run: that resumed run (the jobs' default max_failures > 0) loses its worker again after step 7 and
+      Ray Train restarts it from the step-6 checkpoint inside the same call.
+    The result equals the uninterrupted run's bit for bit."""
     import uuid
 
     from jobs.train import main
@@ -174,38 +180,24 @@ def test_killed_run_resumes_to_the_clean_result(features, clean, s3_endpoint, tm
 
     monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
     output = f"s3://eagle3/train-killed-{uuid.uuid4().hex[:8]}"
+    assert clean["total_steps"] > 7 and job(features, output).max_failures > 0
     monkeypatch.setenv(FAULT_ENV, "4")  # test-only hook (pipelines/train/faults.py), not a job option
     with pytest.raises(Exception):  # the worker dies and max_failures=0: the run fails
         run_train(job(features, output, max_failures=0))
-    monkeypatch.delenv(FAULT_ENV)
+    monkeypatch.setenv(FAULT_ENV, "7")
     argv = ["--features", features, "--output", str(output), "--resume", "--epochs", "2", "--lr", "3e-3",
             "--warmup-steps", "2", "--tokens-per-batch", "160", "--ttt-steps", "3", "--draft-vocab-size", "256",
             "--eval-fraction", "0.2", "--checkpoint-every", "3", "--cpus-per-worker", "0.5",
             "--mlflow-experiment", "test-train", "--registered-model-name", "test-draft"]
     assert main(argv) == 0
     resumed = json.loads(read_bytes(f"{output}/summary.json"))
-    assert resumed["restored_from"] == [3] and resumed["checkpoint"].startswith(output)
+    assert resumed["restored_from"] == [3, 6] and resumed["checkpoint"].startswith(output)
     assert resumed["step"] == clean["step"]
-    # Deterministic given the seed: the killed run's first steps, computed from scratch, match bit for bit,
-    # and after resuming from its checkpoint the final draft equals the uninterrupted one exactly.
+    # Deterministic given the seed: the killed run's first steps, computed from scratch, and the steps replayed
+    # after each restore match bit for bit, and the final draft equals the uninterrupted one exactly.
     assert history(resumed["mlflow_run_id"], "loss") == history(clean["mlflow_run_id"], "loss")
     a, b = weights(clean), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_killed_worker_is_restarted_from_its_checkpoint_within_the_run(features, clean, tmp_path, monkeypatch):
-    """The jobs' default max_failures (> 0): the same SIGKILL after step 4 costs one restart from the step-3
-    checkpoint inside one run_train call, and the result equals the uninterrupted run's."""
-    from pipelines.train.faults import FAULT_ENV
-
-    assert job(features, tmp_path / "x").max_failures > 0
-    monkeypatch.setenv(FAULT_ENV, "4")
-    summary = run_train(job(features, tmp_path / "auto"))
-    assert summary["restored_from"] == [3] and summary["step"] == clean["step"]
-    a, b = weights(clean), weights(summary)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    loss = history(summary["mlflow_run_id"], "loss")  # steps 4.. logged twice (before and after the restart)
-    assert len(loss) >= clean["total_steps"]
 
 
 def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peaked_target_dir):
