@@ -127,22 +127,47 @@ def _extract_cmd(config: ExtractConfig) -> list[str]:
             "--cpus-per-worker", "0.5", "--max-length", str(config.max_length), "--mlflow-experiment", ""]
 
 
+@pytest.fixture(scope="module")
+def submitted(ray_cluster, tmp_path_factory, tiny_target_dir):
+    """`ray job submit -- python jobs/extract.py` to a head on 127.0.0.1 (the session's cluster, through its
+    dashboard's job API, as a user submits to a cluster's head), one conversation per shard, replies of up to 32
+    tokens: the job-submission test checks it, and the killed-job test takes it as its uninterrupted run."""
+    tmp_path = tmp_path_factory.mktemp("submitted")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    env.pop("MLFLOW_TRACKING_URI", None)  # an earlier test in this process may have exported one
+    config = base_config(tmp_path, tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
+    write_corpus(Path(config.corpus), n=8)
+    work = tmp_path / "work"
+    runtime_env = json.dumps({"env_vars": {"EAGLE3_WORK": str(work), "RAY_USAGE_STATS_ENABLED": "0"}})
+    cmd = _extract_cmd(config)
+    cmd[cmd.index("--mlflow-experiment") + 1] = "job-test"
+    address = ray_cluster.dashboard_address
+    deadline = time.time() + 120
+    while True:  # the job agent may come up a little after the dashboard answers
+        submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json",
+                                    runtime_env, "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in submitted.stderr + submitted.stdout or time.time() > deadline:
+            break
+        time.sleep(3)
+    return config, work, submitted
+
+
 @pytest.mark.slow
-def test_killed_job_resumes_exactly_once(ray_cluster, s3_endpoint, tmp_path, tiny_target_dir):
-    """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run. The
-    killed job writes to S3 (moto on 127.0.0.1), where a commit is one PUT; the reference to a local folder."""
+def test_killed_job_resumes_exactly_once(submitted, s3_endpoint, tmp_path, tiny_target_dir):
+    """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run (the
+    submitted job's, same settings). The killed job writes to S3 (moto on 127.0.0.1), where a commit is one PUT."""
     import uuid
 
     import fsspec
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    clean = submitted[0]
+    assert submitted[2].returncode == 0, submitted[2].stderr[-3000:]
     # One conversation per shard, with replies long enough that the kill lands mid-run.
-    killed = base_config(tmp_path / "a", tiny_target_dir, max_new_tokens=32, rows_per_shard=1,
+    killed = base_config(tmp_path, tiny_target_dir, max_new_tokens=32, rows_per_shard=1,
                          output=f"s3://eagle3/extract-killed-{uuid.uuid4().hex[:8]}")
-    clean = base_config(tmp_path / "b", tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
-    for c in (killed, clean):
-        write_corpus(Path(c.corpus), n=8)
+    write_corpus(Path(killed.corpus), n=8)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", EAGLE3_WORK=str(tmp_path / "work"))
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(_extract_cmd(killed), env=env, start_new_session=True,
@@ -157,7 +182,6 @@ def test_killed_job_resumes_exactly_once(ray_cluster, s3_endpoint, tmp_path, tin
     assert 2 <= len(partial) < 8, "the job must be killed mid-run"
 
     run_extract(killed)  # the rerun, on this session's cluster
-    run_extract(clean)  # an uninterrupted run of the same job
     resumed, reference = read_rows(killed.output), read_rows(clean.output)
     assert [r["id"] for r in resumed] == [r["id"] for r in reference]  # no duplicates, no gaps
     for a, b in zip(resumed, reference):
@@ -167,32 +191,15 @@ def test_killed_job_resumes_exactly_once(ray_cluster, s3_endpoint, tmp_path, tin
 
 
 @pytest.mark.slow
-def test_ray_job_submit_on_a_loopback_head(ray_cluster, tmp_path, tiny_target_dir):
-    """`ray job submit -- python jobs/extract.py` to a head on 127.0.0.1 (the session's cluster, through its
-    dashboard's job API, as a user submits to a cluster's head): SUCCEEDED, output and MLflow run checked."""
+def test_ray_job_submit_on_a_loopback_head(submitted):
+    """The submitted job: SUCCEEDED, its output complete and its MLflow run recorded."""
     import mlflow
 
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
-    env.pop("MLFLOW_TRACKING_URI", None)  # an earlier test in this process may have exported one
-    config = base_config(tmp_path, tiny_target_dir)
-    work = tmp_path / "work"
-    runtime_env = json.dumps({"env_vars": {"EAGLE3_WORK": str(work), "RAY_USAGE_STATS_ENABLED": "0"}})
-    cmd = _extract_cmd(config)
-    cmd[cmd.index("--mlflow-experiment") + 1] = "job-test"
-    address = ray_cluster.dashboard_address
-    deadline = time.time() + 120
-    while True:  # the job agent may come up a little after the dashboard answers
-        submitted = subprocess.run([ray_bin, "job", "submit", "--address", address, "--runtime-env-json",
-                                    runtime_env, "--", *cmd], env=env, capture_output=True, text=True, timeout=600)
-        if "No available agent" not in submitted.stderr + submitted.stdout or time.time() > deadline:
-            break
-        time.sleep(3)
+    config, work, submitted = submitted
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     assert "succeeded" in (submitted.stdout + submitted.stderr).lower()  # "Job ... succeeded"
     manifest = load_manifest(config.output)
-    assert manifest.rows == len(read_rows(config.output)) > 0
+    assert manifest.rows == len(read_rows(config.output)) == 8
     mlflow.set_tracking_uri(f"sqlite:///{work / 'mlflow.db'}")
     run = mlflow.get_run(manifest.mlflow_run_id)
     assert run.data.metrics["rows"] == manifest.rows and run.data.params["target"] == config.target
