@@ -378,9 +378,11 @@ def rollback(name: str, lease: PromotionLease | None = None) -> tuple[str, str]:
 
 
 def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, experiment: str = "eagle3-retrain",
-                          run_name: str = "register-draft", expected_champion: str | None = None) -> int:
+                          run_name: str = "register-draft", expected_champion: str | None = None,
+                          tau: float | None = None) -> int:
     """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
-    with `alias`; returns the new version.
+    with `alias`; returns the new version. `tau`: its evaluation tau, tagged on the version as `decide_promotion`
+    tags a promoted one (what a serving replica's drift rule compares with), before the version takes the alias.
 
     `champion` moves only by compare-and-set under the promotion lock (`registry.set_champion`): the version
     becomes champion only if the champion is still `expected_champion` (None: there is none), else
@@ -393,6 +395,8 @@ def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, 
     c.log_artifacts(run_id, str(folder), "draft")
     c.set_terminated(run_id)
     version = tracking.register_artifact(run_id, "draft", name, None if alias == CHAMPION else alias)
+    if tau is not None:
+        c.set_model_version_tag(name, str(version), "tau", f"{tau:.4f}")
     if alias == CHAMPION:
         set_champion(name, version, expected_champion)
     return version

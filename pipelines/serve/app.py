@@ -338,3 +338,22 @@ def build_app(args: dict | None = None):
     # (finished, or 504 at request_timeout_s), so each gets its final event; then __del__ drains the rest.
     placement.setdefault("graceful_shutdown_timeout_s", config.request_timeout_s + config.drain_s)
     return SpecDecodeServer.options(**placement).bind(config.to_dict())
+
+
+def run_local(app, name: str, port: int, host: str = "127.0.0.1", route_prefix: str = "/",
+              timeout_s: float = 300.0) -> str:
+    """Deploy `app` (`build_app(...)`) on this Ray cluster's Serve instance, starting Serve on host:port if it is not
+    running, and wait until its /health answers 200; returns the app's base URL. Raises TimeoutError after
+    `timeout_s` (a replica still loading its target, or one that failed to start)."""
+    import httpx
+
+    serve.start(http_options={"host": host, "port": port})  # a running instance keeps its own options
+    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    url = f"http://{host}:{port}{route_prefix.rstrip('/')}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url
+        time.sleep(0.5)
+    raise TimeoutError(f"the Serve app {name!r} at {url}/health did not answer 200 within {timeout_s:.0f} s")
