@@ -1,8 +1,8 @@
 """Benchmark: the live-traffic loop end to end (issue 43's must-show), with real components on this machine.
 
-    python -m bench.traffic_loop            (full: ~16 min on a quiet 2-core CPU)
-    python -m bench.traffic_loop --quick    (tiny counts: ~9 min here, mostly fixed costs: Ray Train's start, the
-                                             extraction actor's, the evaluations' auto-tune; too slow for the suite)
+    python -m bench.traffic_loop            (full: ~15 min on a quiet 2-core CPU)
+    python -m bench.traffic_loop --quick    (tiny counts: ~4 min on a quiet 2-core CPU, mostly fixed costs: Ray
+                                             Train's start, the extraction actor's, the evaluations' auto-tune)
 
 Stages, each timed (SmolLM2-135M-Instruct from the local cache, its shipped draft; a fresh local Ray cluster; an
 MLflow SQLite store under --work; every server on 127.0.0.1):
