@@ -135,22 +135,10 @@ def serve_step(args, draft_uri: str, sizes: dict, tree: dict) -> list[dict]:
     import httpx
     from ray import serve
 
-    from pipelines.serve.app import build_app
+    from pipelines.serve.app import build_app, run_local
 
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     app = build_app({"target": args.target, "draft": draft_uri, "num_cpus": sizes["cores"], **tree})
-    serve.run(app, name="eagle3-demo", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{args.port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            raise RuntimeError("the Serve app did not become healthy within 5 minutes")
-        time.sleep(2)
+    base = run_local(app, "eagle3-demo", args.port)
     answers = []
     with httpx.Client(base_url=base, timeout=600) as client:
         for question in DEMO_QUESTIONS:
