@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, ROOT, SHIPPED_DRAFT, command, machine, shown_path, write_json, write_markdown
+from pipelines.console import quiet_terminal, say
 
 NAME = "traffic-loop-draft"  # the registered model
 MODEL = "smollm2-eagle3"  # the id clients send
@@ -84,38 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- small pieces -----------------------------------------------------------------------------------------------
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-@contextlib.contextmanager
-def quiet(log: Path):
-    """Send this process's stdout and stderr (file descriptors too: Ray and MLflow write there) to `log` while a
-    noisy stage runs; the terminal shows stages and results. On an error the log's tail is shown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(log, "a") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            sys.stderr.write(f"--- last lines of {log} ---\n" + "".join(open(log).readlines()[-40:]))
-            raise
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-
 
 def metrics(url: str) -> dict:
     """/metrics as {(name, ((label, value), ...)): value}."""
@@ -226,7 +195,7 @@ def stage_champion(args, base_config, log: Path) -> dict:
     from pipelines.registry import CHAMPION, register_draft_folder
     from pipelines.retrain import evaluate_on_worker
 
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         evaluation = evaluate_on_worker(base_config, {"champion": str(SHIPPED_DRAFT)})["champion"]
         version = register_draft_folder(str(SHIPPED_DRAFT), NAME, CHAMPION, experiment="traffic-loop",
                                         run_name="shipped-draft", expected_champion=None, tau=evaluation["tau"])
@@ -240,7 +209,7 @@ def stage_traffic(args, tree, traffic_url: str, port: int, log: Path) -> dict:
 
     from pipelines.serve.app import build_app, run_local
 
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         url = run_local(build_app(serve_args(args, tree, traffic_url)), "traffic-loop-on", port)
     requests, alert_at = [], None
     for i, item in enumerate(code_prompts(args.requests), 1):
@@ -267,7 +236,7 @@ def stage_traffic(args, tree, traffic_url: str, port: int, log: Path) -> dict:
     dropped = {labels[0][1]: v for (name, labels), v in values.items()
                if name == "eagle3_serve_traffic_records_total" and labels and labels[0][1] not in ("offered", "written")}
     event = drift_event_from_mlflow()
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         serve.delete("traffic-loop-on")
     return {"url": url, "requests": requests, "alert_at_request": alert_at, "alerts_total": alerts,
             "reference_tau_in_metrics": reference, "offered": offered, "written": written, "not_written": dropped,
@@ -280,13 +249,13 @@ def stage_sink_off(args, tree, work: Path, port: int, log: Path) -> dict:
     from pipelines.serve.app import build_app, run_local
 
     before = files_under(work)
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         url = run_local(build_app(serve_args(args, tree, None)), "traffic-loop-off", port)
     item = code_prompts(args.requests + 1)[-1]  # a prompt the sink-on deployment was not sent
     answer = ask(url, item["messages"], args.max_tokens)
     values = metrics(url)
     time.sleep(3)  # longer than the sink-on deployment's flush interval: a sink, if any, would have committed
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         serve.delete("traffic-loop-off")
     new = sorted(f for f in files_under(work) - before if f.endswith((".parquet", "manifest.json")))
     return {"answered": answer["completion_tokens"] > 0, "completion_tokens": answer["completion_tokens"],
@@ -328,7 +297,7 @@ def stage_retrain(config, log: Path) -> dict:
     from pipelines.retrain_traffic import beats_on_traffic, check_traffic
 
     slice_ = check_traffic(config)
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         result = run_retrain(config)["scales"][0]
     summary = json.loads(Path(result["draft"]).parent.joinpath("summary.json").read_text())
     new = {"tau": result["tau"], "traffic_tau": result["traffic_tau"]}
@@ -443,7 +412,7 @@ def main(argv=None) -> int:
 
     say(f"[traffic-loop] work folder {shown_path(work)}")
     try:  # the target from the local cache only: nothing here reaches the network
-        with quiet(log):
+        with quiet_terminal(str(log), tags=()):
             load_target("smollm2-135m", device="cpu")
     except Exception as err:  # noqa: BLE001 - say why and stop
         say(f"[traffic-loop] SmolLM2 is not in the local cache ({err}); stopping")
@@ -471,7 +440,7 @@ def main(argv=None) -> int:
         load[name] = [round(before, 1), round(os.getloadavg()[0], 1)]
         return out
 
-    with quiet(log):
+    with quiet_terminal(str(log), tags=()):
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
         say(f"[traffic-loop] 1/5 champion: evaluating the shipped draft on {args.eval_prompts} x {args.eval_count}")
@@ -494,7 +463,7 @@ def main(argv=None) -> int:
             f"{retrain['candidate']['traffic_tau']:.3f}, on {args.eval_prompts} {retrain['champion']['tau']:.3f} -> "
             f"{retrain['candidate']['tau']:.3f}; {'promoted' if retrain['promoted'] else 'not promoted'}")
     finally:
-        with quiet(log):
+        with quiet_terminal(str(log), tags=()):
             with contextlib.suppress(Exception):
                 from ray import serve
 
