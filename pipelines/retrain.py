@@ -24,7 +24,7 @@ from pipelines.registry import (CANDIDATE, CHAMPION, PromotionConflict, Promotio
                                 alias_version, client as registry_client, decide_promotion, register_draft_folder,
                                 rollback)
 from pipelines.retrain_traffic import (TRAFFIC_SET, check_traffic, extract_overrides, promotion_rule, promotion_score,
-                                       traffic_prompts, traffic_result, training_features)
+                                       traffic_prompts, traffic_result, traffic_tau, training_features)
 from pipelines.storage import exists, join, read_bytes, resolve_source
 
 
@@ -163,10 +163,16 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: Retrai
 # The job
 # --------------------------------------------------------------------------------------------------
 
+def scale_folder(config: RetrainConfig, rows: int) -> str:
+    """A scale's folder name under `features/` and `drafts/`: `rows-<rows>`, `rows-<rows>-traffic` with traffic
+    (`extract_overrides`: its own dtype and aux layers, which an extraction output's fingerprint would refuse in the
+    plain folder; its draft trains on other data)."""
+    return f"rows-{rows}" + ("-traffic" if config.traffic else "")
+
+
 def features_url(config: RetrainConfig, rows: int) -> str:
-    """Where a scale's features are extracted; `rows-<rows>-traffic` with traffic (`extract_overrides`: its own
-    dtype and aux layers, which an extraction output's fingerprint would refuse in the plain folder)."""
-    return join(config.work, "features", f"rows-{rows}" + ("-traffic" if config.traffic else ""))
+    """Where a scale's features are extracted."""
+    return join(config.work, "features", scale_folder(config, rows))
 
 
 def _extract_scale(config: RetrainConfig, rows: int, earlier: list[str]):
@@ -200,7 +206,7 @@ def draft_output(config: RetrainConfig, rows: int, features: str | list) -> str:
     hash>` rather than refused; every other difference is still refused by `_check_trained`."""
     from pipelines.train.driver import features_digest
 
-    base = join(config.work, "drafts", f"rows-{rows}" + ("-traffic" if config.traffic else ""))
+    base = join(config.work, "drafts", scale_folder(config, rows))
     recorded = None
     for name in ("summary.json", "train_run.json"):  # a finished run, else one started
         if exists(join(base, name)):
@@ -282,7 +288,9 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, be
         draft = load_draft(resolve_source(source), target=target)
         results[name] = evaluate_draft(target, tokenizer, draft, prompts, config, on_progress=tick)
         if traffic:
-            results[name][TRAFFIC_SET] = evaluate_draft(target, tokenizer, draft, traffic, config, on_progress=tick)
+            results[name][TRAFFIC_SET] = {"tau": traffic_tau(target, tokenizer, draft, traffic, config),
+                                          "prompts": len(traffic)}
+            tick()
     return results
 
 

@@ -15,7 +15,8 @@
   are the traffic evaluation's prompts: each row's tokens up to its last answer (the prompt the server was sent,
   chat template and generation prompt included).
 - *Promotion*: candidate and champion are decoded greedily on the base evaluation set (`eval_prompts`) and on the
-  held-out traffic, with one target load (`pipelines.retrain.evaluate_draft`, by real decoding). The candidate
+  held-out traffic, with one target load (`pipelines.retrain.evaluate_draft` on the base set; on traffic its tau alone,
+  `traffic_tau`; both by real decoding). The candidate
   takes `champion` (the same compare-and-set under the promotion lock, `pipelines.registry.decide_promotion`) only
   when its traffic tau beats the champion's by `margin` AND its base tau is no more than `base_margin` below the
   champion's (`beats_on_traffic`). Both taus are tagged on the version (`tau`, `traffic_tau`), logged in the MLflow
@@ -117,6 +118,21 @@ def traffic_prompts(url: str, fraction: float, count: int) -> list[dict]:
             if held_out_by_hash(cid, fraction) and 0 < start < len(ids):
                 held.append({"set": TRAFFIC_SET, "id": cid, "ids": ids[:start]})
     return sorted(held, key=lambda item: id_hash(item["id"]))[:count]
+
+
+def traffic_tau(target, tokenizer, draft, prompts: list[dict], config) -> float:
+    """tau on the held-out traffic (`traffic_prompts`), as `pipelines.retrain.evaluate_draft` measures its tau:
+    greedy decoding with `config.eval_tree` as its auto-tune's calibration decodes (the same tree and context
+    chains, `eagle_core.autotune`), without the cost measurements and timed decodes its speed-ups need."""
+    from eagle_core.autotune import DEFAULT_CONTEXT_CHAINS, calibrate_acceptance
+    from eagle_core.tree import TreeConfig
+
+    full = config.eval_tree
+    size = TreeConfig(full.top_k, full.depth, full.total_tokens).size
+    tau, _ = calibrate_acceptance(target, draft, [item["ids"] for item in prompts],
+                                  TreeConfig(full.top_k, full.depth, size), [full.depth], [size],
+                                  config.eval_max_new_tokens, tokenizer.eos_token_id, DEFAULT_CONTEXT_CHAINS)
+    return tau[(full.depth, size)]
 
 
 def beats_on_traffic(new: dict, champion: dict, margin: float, base_margin: float) -> bool:

@@ -184,3 +184,21 @@ def test_the_drift_hook_starts_the_scheduled_retraining_with_only_the_rights_it_
     resolve_hook(role["metadata"]["annotations"]["eagle3/drift-hook"], 30)({"category": "code", "window_tau": 1.2})
     calls = (tmp_path / "calls").read_text().splitlines()
     assert len(calls) == 1 and re.fullmatch(rf"create job {cronjob}-drift-\d{{10}} --from=cronjob/{cronjob}", calls[0])
+
+
+def test_traffic_tau_is_the_tau_evaluate_draft_reports(tiny_target):
+    """Held-out traffic is compared on tau alone (`traffic_tau`: the auto-tune's calibration decode, without its
+    cost measurements and the timed decodes of the speed-ups): the tau `evaluate_draft` reports for the same
+    prompts, on a draft that is right often but not always."""
+    from decode_helpers import echo_draft, random_prompts
+    from eagle_core.tree import TreeConfig
+    from pipelines.retrain import evaluate_draft
+    from pipelines.retrain_traffic import traffic_tau
+
+    draft = echo_draft(tiny_target)
+    prompts = [{"set": "traffic", "ids": ids} for ids in random_prompts(3, tiny_target.config.vocab_size, seed=4)]
+    config = RetrainConfig(eval_tree=TreeConfig(top_k=4, depth=3, total_tokens=10), eval_max_new_tokens=16)
+    tokenizer = SimpleNamespace(eos_token_id=None)
+    tau = traffic_tau(tiny_target, tokenizer, draft, prompts, config)
+    assert 1 < tau < 1 + config.eval_tree.depth  # some rounds accept, not every one accepts the whole depth
+    assert tau == evaluate_draft(tiny_target, tokenizer, draft, prompts, config)["tau"]
