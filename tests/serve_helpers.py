@@ -74,16 +74,6 @@ def register_draft(folder, name: str) -> str:
     return f"models:/{name}@serve"
 
 
-def wait_healthy(url: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout}s")
-
-
 def save_target(folder, tokenizer):
     """A damped tiny Llama (tied embeddings: it tends to repeat its input) as an HF folder."""
     from decode_helpers import damped_tiny_llama
@@ -98,16 +88,12 @@ def save_target(folder, tokenizer):
 
 
 def run_app(app, name: str, route_prefix: str) -> str:
-    """Deploy `app` on this session's Serve instance (started once, on 127.0.0.1) and wait until healthy."""
-    from ray import serve
+    """Deploy `app` on this session's Serve instance (started once, on 127.0.0.1 at a free port) and wait until
+    healthy (`pipelines.serve.app.run_local`)."""
+    from pipelines.serve.app import run_local
 
-    if "port" not in _LIVE:
-        _LIVE["port"] = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": _LIVE["port"]})
-    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
-    url = f"http://127.0.0.1:{_LIVE['port']}{route_prefix.rstrip('/')}"
-    wait_healthy(url)
-    return url
+    _LIVE.setdefault("port", free_port())
+    return run_local(app, name, _LIVE["port"], route_prefix=route_prefix, timeout_s=180.0)
 
 
 def live_deployment(tmp_path_factory, tokenizer) -> Live:
