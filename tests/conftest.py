@@ -12,6 +12,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # test processes on two cores (pytest-xdist), a training worker's imports alone can take that long. Set before the
 # session's Ray cluster starts, so its raylet and the Train controller inherit it.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
+# The suite's Ray settings (process_helpers.TEST_RAY_ENV: CPU on two shared cores, nothing under test), before any
+# Ray cluster starts.
+from process_helpers import TEST_RAY_ENV  # noqa: E402
+
+for _key, _value in TEST_RAY_ENV.items():
+    os.environ.setdefault(_key, _value)
 # The tests' MLflow store and work folder: one per test process (a pytest-xdist worker is one), never the
 # checkout's ./work nor a tracking server the user exported. Set before any Ray cluster starts, so its workers
 # inherit it. (`mlflow.set_tracking_uri` exports MLFLOW_TRACKING_URI itself: the first store used would stick.)

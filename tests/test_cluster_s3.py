@@ -26,7 +26,7 @@ import pytest
 
 from eagle_core.target import make_tiny_llama
 from pipelines.storage import upload_folder
-from process_helpers import free_port, kill_session, wait_until
+from process_helpers import TEST_RAY_ENV, free_port, kill_session, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
     write_inputs(tmp_path)
     bin_dir = Path(sys.executable).parent
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_", "EAGLE3_"))}
-    base_env.update(s3_endpoint, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+    base_env.update(s3_endpoint, **TEST_RAY_ENV, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
                     MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=str(REPO))
     # Every process gets its own HOME and TMPDIR, so the end can list all it left on local disk.
     home, tmpdir = tmp_path / "home", tmp_path / "tmp"

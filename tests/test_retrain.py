@@ -164,18 +164,19 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     artifacts = {a.path for a in client.list_artifacts(first["parent_run_id"])}
     assert {"tau_vs_data_scale.png", "scaling.json"} <= artifacts
 
-    # Pass 2: the same scales plus a larger one, and a margin every draft beats: earlier scales are not
-    # retrained (same versions and training runs), the new scale reuses every shard it can and is promoted.
+    # Pass 2: the corpus grew, the same scales, and a margin every draft beats: nothing is extracted or trained again
+    # (same versions and training runs; every shard already committed), and the candidate left by pass 1, evaluated
+    # again against the champion, is promoted. (Pass 2 also added a third scale, which reused the 12 rows' shards,
+    # until the suite had to fit 15 minutes: pass 1's larger scale shows the same reuse, by the same code.)
     write_corpus(Path(setting["corpus"]), 16)
-    second = run_retrain(RetrainConfig(**setting, scales=[6, 12, 16], margin=-1e9))
-    again_small, again_large, newest = second["scales"]
+    second = run_retrain(RetrainConfig(**setting, scales=[6, 12], margin=-1e9))
+    again_small, again_large = second["scales"]
     assert (again_small["version"], again_large["version"]) == (small["version"], large["version"])
-    assert again_large["train_run_id"] == large["train_run_id"]
+    assert (again_small["train_run_id"], again_large["train_run_id"]) == (small["train_run_id"], large["train_run_id"])
     assert again_large["reused_shards"] == 0 and again_large["shards"] == 6  # nothing new to copy: all committed
-    assert newest["reused_shards"] == 6 and newest["shards"] == 8
-    assert newest["promoted"]
-    assert str(alias_version("retrain-test", CHAMPION).version) == str(newest["version"])
-    assert len(child_runs(client, experiment, second["parent_run_id"])) == 3
+    assert again_large["promoted"]
+    assert str(alias_version("retrain-test", CHAMPION).version) == str(large["version"])
+    assert len(child_runs(client, experiment, second["parent_run_id"])) == 2
 
 
 @pytest.mark.parametrize("train,init_from,lr", [({}, "models:/m@champion", 2e-4), ({"lr": 5e-4}, "models:/m@champion", 5e-4),
