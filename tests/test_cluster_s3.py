@@ -39,10 +39,19 @@ def answers(url: str) -> bool:
         return False
 
 
+def accepts(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL for what is left after 5 s: the MLflow server and the Serve job end within 2 s, and a
+    `ray start --head --block` does not end on SIGTERM at all (30 s of every run went to waiting for it)."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+        process.wait(timeout=5)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     kill_session(process.pid)
@@ -115,7 +124,7 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         start([str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
                "--num-cpus=3", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
                f"--dashboard-agent-listen-port={free_port()}"], {**node_env, "EAGLE3_CACHE": str(caches["head"])})
-        time.sleep(5)
+        wait_until(lambda: accepts(ray_port), "the Ray head")
         start([str(bin_dir / "ray"), "start", "--block", f"--address=127.0.0.1:{ray_port}",
                "--node-ip-address=127.0.0.1", "--num-cpus=3", f"--dashboard-agent-listen-port={free_port()}"],
               {**node_env, "EAGLE3_CACHE": str(caches["worker"])})

@@ -121,24 +121,38 @@ def test_streaming_yields_the_written_features(plain):
         assert a["aux_hidden"] == b["aux_hidden"] and list(a["loss_mask"]) == list(b["loss_mask"])
 
 
+# The job of the submitted, killed and served-regeneration runs: one conversation per shard, replies of up to 32
+# tokens generated one prompt per call in float32 (what the project's Serve app computes: the served run must equal
+# the submitted one token for token).
+JOB = dict(max_new_tokens=32, rows_per_shard=1, dtype="float32", regen_batch_size=1)
+
+
+def job_config(tmp_path, target, **overrides) -> ExtractConfig:
+    """`JOB` on the 8-conversation corpus (and its broken line)."""
+    config = base_config(tmp_path, target, **JOB, **overrides)
+    write_corpus(Path(config.corpus), n=8)
+    return config
+
+
 def _extract_cmd(config: ExtractConfig) -> list[str]:
     return [sys.executable, str(REPO / "jobs" / "extract.py"), "--corpus", config.corpus, "--output", config.output,
-            "--target", config.target, "--max-new-tokens", str(config.max_new_tokens), "--rows-per-shard", "1",
-            "--cpus-per-worker", "0.5", "--max-length", str(config.max_length), "--mlflow-experiment", ""]
+            "--target", config.target, "--max-new-tokens", str(config.max_new_tokens),
+            "--rows-per-shard", str(config.rows_per_shard), "--dtype", config.dtype,
+            "--regen-batch-size", str(config.regen_batch_size), "--cpus-per-worker", "0.5",
+            "--max-length", str(config.max_length), "--mlflow-experiment", ""]
 
 
 @pytest.fixture(scope="module")
 def submitted(ray_cluster, tmp_path_factory, tiny_target_dir):
     """`ray job submit -- python jobs/extract.py` to a head on 127.0.0.1 (the session's cluster, through its
-    dashboard's job API, as a user submits to a cluster's head), one conversation per shard, replies of up to 32
-    tokens: the job-submission test checks it, and the killed-job test takes it as its uninterrupted run."""
+    dashboard's job API, as a user submits to a cluster's head), the `JOB` settings: the job-submission test checks
+    it, and the killed-job and served-regeneration tests take it as their reference run."""
     tmp_path = tmp_path_factory.mktemp("submitted")
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     env.pop("MLFLOW_TRACKING_URI", None)  # an earlier test in this process may have exported one
-    config = base_config(tmp_path, tiny_target_dir, max_new_tokens=32, rows_per_shard=1)
-    write_corpus(Path(config.corpus), n=8)
+    config = job_config(tmp_path, tiny_target_dir)
     work = tmp_path / "work"
     runtime_env = json.dumps({"env_vars": {"EAGLE3_WORK": str(work), "RAY_USAGE_STATS_ENABLED": "0"}})
     cmd = _extract_cmd(config)
@@ -165,9 +179,7 @@ def test_killed_job_resumes_exactly_once(submitted, s3_endpoint, tmp_path, tiny_
     clean = submitted[0]
     assert submitted[2].returncode == 0, submitted[2].stderr[-3000:]
     # One conversation per shard, with replies long enough that the kill lands mid-run.
-    killed = base_config(tmp_path, tiny_target_dir, max_new_tokens=32, rows_per_shard=1,
-                         output=f"s3://eagle3/extract-killed-{uuid.uuid4().hex[:8]}")
-    write_corpus(Path(killed.corpus), n=8)
+    killed = job_config(tmp_path, tiny_target_dir, output=f"s3://eagle3/extract-killed-{uuid.uuid4().hex[:8]}")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", EAGLE3_WORK=str(tmp_path / "work"))
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(_extract_cmd(killed), env=env, start_new_session=True,
@@ -206,33 +218,31 @@ def test_ray_job_submit_on_a_loopback_head(submitted):
 
 
 @pytest.mark.slow
-def test_regeneration_through_our_openai_server_equals_in_actor_greedy(ray_cluster, tmp_path, tiny_target_dir):
+def test_regeneration_through_our_openai_server_equals_in_actor_greedy(submitted, tmp_path, tiny_target_dir):
     """`--regenerate-with openai:URL` (the project's Serve app, fp32, plain decoding) writes the same regenerated
-    conversations and the same features as the target in the extraction actor (fp32, one prompt per call)."""
+    conversations and the same features as the target in the extraction actor (the submitted job: fp32, one prompt
+    per call)."""
     from pipelines.serve.app import build_app
     from serve_helpers import run_app
 
+    local = submitted[0]
+    assert submitted[2].returncode == 0, submitted[2].stderr[-3000:]
     app = build_app(dict(target=str(tiny_target_dir), model_name="tiny-regen", dtype="float32", max_batch_size=8,
                          max_waiting=64, max_context=256, max_tokens_limit=64, torch_threads=1, num_cpus=0.5,
                          num_gpus=0))
     url = run_app(app, "regen-server", "/regen")
-    common = dict(dtype="float32", regen_batch_size=1, max_new_tokens=8)
-    for name in ("hf", "server"):
-        (tmp_path / name).mkdir()
-    local = run_extract(base_config(tmp_path / "hf", tiny_target_dir, **common))
-    served = run_extract(base_config(tmp_path / "server", tiny_target_dir, regenerate_with=f"openai:{url}", **common))
-    assert served.regeneration["with"].startswith("openai:") and local.regeneration["with"] == "hf"
+    served = run_extract(job_config(tmp_path, tiny_target_dir, regenerate_with=f"openai:{url}"))
+    assert served.regeneration["with"].startswith("openai:") and load_manifest(local.output).regeneration["with"] == "hf"
 
     def regenerated(output):
         lines = [json.loads(line) for f in sorted(Path(output, "regenerated").glob("*.jsonl"))
                  for line in f.read_text().splitlines() if line]
         return sorted(lines, key=lambda r: r["id"])
 
-    expected = regenerated(tmp_path / "hf" / "out")
+    expected = regenerated(local.output)
     assert any(r.get("messages") for r in expected)
-    assert regenerated(tmp_path / "server" / "out") == expected
-    assert [r["input_ids"] for r in read_rows(tmp_path / "server" / "out")] == \
-        [r["input_ids"] for r in read_rows(tmp_path / "hf" / "out")]
+    assert regenerated(tmp_path / "out") == expected
+    assert [r["input_ids"] for r in read_rows(tmp_path / "out")] == [r["input_ids"] for r in read_rows(local.output)]
 
 
 def test_regenerate_with_must_name_hf_or_an_openai_server(tmp_path, tiny_target_dir):
