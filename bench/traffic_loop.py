@@ -8,7 +8,7 @@ Stages, each timed (SmolLM2-135M-Instruct from the local cache, its shipped draf
 MLflow SQLite store under --work; every server on 127.0.0.1):
 
 1. *Champion*: the shipped draft's evaluation tau on the base set (`--eval-prompts`, MT-bench turn 1: chat, the
-   draft's training distribution) is measured as retraining measures it (`pipelines.retrain.evaluate_on_worker`,
+   draft's training distribution) is measured as retraining measures it (`pipelines.retrain_eval.evaluate_on_worker`,
    the recipe's tree), and the draft is registered as `champion` with that tau tagged
    (`pipelines.registry.register_draft_folder`): the reference of the serving replicas' drift rule.
 2. *Traffic*: the Serve app (`pipelines.serve.app.build_app`) serves `models:/<name>@champion` in fp32 with the
@@ -193,7 +193,7 @@ def drift_event_from_mlflow(timeout_s: float = 60.0) -> dict | None:
 
 def stage_champion(args, base_config, log: Path) -> dict:
     from pipelines.registry import CHAMPION, register_draft_folder
-    from pipelines.retrain import evaluate_on_worker
+    from pipelines.retrain_eval import evaluate_on_worker
 
     with quiet_terminal(str(log), tags=()):
         evaluation = evaluate_on_worker(base_config, {"champion": str(SHIPPED_DRAFT)})["champion"]

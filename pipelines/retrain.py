@@ -3,8 +3,8 @@
 Each scale is a prefix of the corpus (a row count, or a fraction of the corpus). Its extraction output
 reuses every shard an earlier scale already committed (shard k of a prefix is shard k of the whole), so a
 larger scale only regenerates and extracts the rows it adds; a scale whose draft was already trained
-skips training. Evaluation decodes held-out prompts greedily with the new draft and with the current
-champion; the new version takes alias `champion` only when its tau beats the champion's by `margin`,
+skips training. Evaluation (pipelines/retrain_eval.py) decodes held-out prompts with the new draft and with the
+current champion; the new version takes alias `champion` only when its tau beats the champion's by `margin`,
 otherwise it stays `candidate`. One MLflow parent run per invocation, one child run per scale, and the
 tau-vs-data-scale curve (EAGLE-3's scaling property, for this target) as a plot on the parent. With `traffic` the
 drafts also train on served traffic and are compared on its held-out slice too (pipelines/retrain_traffic.py).
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
-from pipelines.console import progress
 from pipelines.registry import (CANDIDATE, CHAMPION, PromotionConflict, PromotionLease,  # noqa: F401 (re-exported)
                                 alias_version, client as registry_client, decide_promotion, register_draft_folder,
                                 rollback)
-from pipelines.retrain_traffic import (TRAFFIC_SET, check_traffic, extract_overrides, promotion_rule, promotion_score,
-                                       traffic_prompts, traffic_result, traffic_tau, training_features)
-from pipelines.storage import exists, join, read_bytes, resolve_source
+from pipelines.retrain_eval import check_eval_prompts, evaluate_on_worker
+from pipelines.retrain_traffic import (check_traffic, extract_overrides, promotion_rule, promotion_score,
+                                       traffic_result, training_features)
+from pipelines.storage import exists, join, read_bytes
 
 
 @dataclass
@@ -84,79 +82,6 @@ def count_corpus_rows(corpus: str) -> int:
     from pipelines.data import ingest
 
     return ingest(corpus).stats.read
-
-
-# --------------------------------------------------------------------------------------------------
-# Evaluation by real decoding
-# --------------------------------------------------------------------------------------------------
-
-def check_eval_prompts(source: str) -> None:
-    """A named prompt set, or a JSONL file that exists: checked on the driver before any work."""
-    from pipelines.prompt_sets import PROMPT_SETS
-
-    if source in PROMPT_SETS:
-        return
-    import fsspec
-
-    if not source.endswith(".jsonl"):
-        raise ValueError(f"eval_prompts {source!r}: expected one of {PROMPT_SETS} or a .jsonl file")
-    fs, path = fsspec.core.url_to_fs(source)
-    if not fs.exists(path):
-        raise FileNotFoundError(f"eval_prompts: no file at {source}")
-
-
-def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: RetrainConfig, on_progress=None) -> dict:
-    """tau, and the speed-ups a user gets on this machine.
-
-    tau (the draft's quality, which promotion compares) comes from greedy decoding of all prompts with
-    `config.eval_tree`; the same run gives the tau of every smaller tree, so `eagle_core.autotune` picks the
-    tree that pays best here from measured target and draft costs. Then each prompt is decoded (batch 1,
-    interleaved, the three in rotating order) with that tree every round, with the auto policy (trees only
-    where they pay: what a user gets; it starts from the auto-tune's measurements) and plainly (the baseline
-    of both speed-ups). prompts: `pipelines.prompt_sets` items, or {"set", "ids"} with the prompt's token ids (the
-    held-out traffic); tau is also reported per set of them (from the tuned tree's rounds)."""
-    from eagle_core.autotune import DEFAULT_SIZES, autotune, rotation
-    from eagle_core.chat import prompt_ids
-    from eagle_core.decoding import available_modes
-    from eagle_core.generate import generate
-    from eagle_core.policy import ModeChooser
-
-    ids = [item["ids"] if "ids" in item else prompt_ids(tokenizer, item["messages"]) for item in prompts]
-    full = config.eval_tree
-    sizes = [s for s in DEFAULT_SIZES if s < full.total_tokens] + [full.total_tokens]
-    context = sum(map(len, ids)) // len(ids) + config.eval_max_new_tokens // 2
-    tuned = autotune(target, draft, ids, top_k=full.top_k, depth=full.depth, sizes=sizes, context_tokens=context,
-                     max_new_tokens=config.eval_max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-    modes = ("tree", "auto", "plain")
-    tokens, seconds, auto_rounds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), Counter()
-    accepted, rounds = Counter(), Counter()  # per prompt set, the tuned tree's rounds
-    chooser = ModeChooser(available_modes(tuned.tree))  # one policy for all prompts, as in a server
-    tuned.prime(chooser)  # starting from the auto-tune's measurements, not from two rounds of each mode
-    bar = progress(total=len(ids), desc="[retrain] evaluating", unit="prompt")
-    for n, prompt in enumerate(ids):
-        for mode in rotation(modes, n):  # each mode leads in turn: no order favours one
-            start = time.perf_counter()
-            out = generate(target, [prompt], draft=None if mode == "plain" else draft, tree=tuned.tree, mode=mode,
-                           chooser=chooser, max_new_tokens=config.eval_max_new_tokens,
-                           eos_token_id=tokenizer.eos_token_id)
-            seconds[mode] += time.perf_counter() - start
-            tokens[mode] += out.stats[0].new_tokens
-            if mode == "auto":
-                auto_rounds.update(out.stats[0].modes)
-            if mode == "tree":
-                accepted[prompts[n]["set"]] += sum(out.stats[0].accept_lengths)
-                rounds[prompts[n]["set"]] += len(out.stats[0].accept_lengths)
-        bar.update(1)
-        if on_progress is not None:
-            on_progress()
-    bar.close()
-    tps = {mode: tokens[mode] / max(seconds[mode], 1e-9) for mode in tokens}
-    return {"tau": tuned.tau[f"{full.depth}/{full.size}"],  # the calibration tree itself
-            "tuned_tree": asdict(tuned.tree), "tokens_per_s": tps["auto"], "tree_tokens_per_s": tps["tree"],
-            "plain_tokens_per_s": tps["plain"], "speedup": tps["auto"] / max(tps["plain"], 1e-9),
-            "tree_speedup": tps["tree"] / max(tps["plain"], 1e-9), "auto_rounds": dict(auto_rounds),
-            "tree_tau_by_set": {name: 1 + accepted[name] / rounds[name] for name in rounds if rounds[name]},
-            "prompts": len(prompts)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,96 +184,6 @@ def _plot_scaling(points: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, beacon=None) -> dict:
-    """{name: evaluate_draft(...)} for drafts named by registry URIs, sharing one target load and one prompt set
-    (one machine, the same prompts: the comparison is fair). The prompts are built here, beside the target: second
-    turns follow its own answers, and long contexts are measured with its tokenizer."""
-    from eagle_core.checkpoint import load_draft
-    from eagle_core.target import default_device, load_target
-    from pipelines.cluster import use_assigned_cpus
-    from pipelines.prompt_sets import prompt_set, target_answerer
-
-    def tick():  # progress for the driver's lease (a beacon actor it polls), when it holds one
-        if beacon is not None:
-            beacon.tick.remote()
-
-    use_assigned_cpus()
-    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the driver's store: the registry URIs resolve through it
-    target, tokenizer = load_target(config.target, device=default_device())
-    tick()
-    prompts, _ = prompt_set(config.eval_prompts, tokenizer, config.eval_count, 0,
-                            answer=target_answerer(target, tokenizer, config.eval_max_new_tokens))
-    traffic = traffic_prompts(config.traffic, config.traffic_eval_fraction, config.eval_count) if config.traffic \
-        else None  # with traffic: its held-out slice too, as result[TRAFFIC_SET]
-    tick()
-    results = {}
-    for name, source in sources.items():
-        draft = load_draft(resolve_source(source), target=target)
-        results[name] = evaluate_draft(target, tokenizer, draft, prompts, config, on_progress=tick)
-        if traffic:
-            results[name][TRAFFIC_SET] = {"tau": traffic_tau(target, tokenizer, draft, traffic, config),
-                                          "prompts": len(traffic)}
-            tick()
-    return results
-
-
-class ProgressBeacon:
-    """A counter an evaluation task ticks and its driver polls (a Ray actor: the task runs on another node)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def tick(self) -> None:
-        self.count += 1
-
-    def read(self) -> int:
-        return self.count
-
-
-class EvaluationTimeout(PromotionConflict):
-    """The champion's re-evaluation under the lock did not finish within `eval_timeout_s`."""
-
-
-def evaluate_on_worker(config: RetrainConfig, sources: dict, lease: PromotionLease | None = None,
-                       timeout_s: float | None = None) -> dict:
-    """`_evaluate_drafts` as a Ray task with the target's resources (on a GPU node where the cluster has GPUs).
-
-    With `lease` (an evaluation under the promotion lock) the task ticks a beacon actor after the target's load
-    and after each prompt; each tick seen here is `lease.progress()`, so the lease outlives a slow evaluation
-    but not a stalled one. With `timeout_s` the task is cancelled past it and EvaluationTimeout raised."""
-    import ray
-
-    from pipelines import tracking
-
-    gpus = config.eval_gpus
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    task = ray.remote(num_cpus=config.eval_cpus, num_gpus=gpus)(_evaluate_drafts)
-    beacon = ray.remote(num_cpus=0)(ProgressBeacon).remote() if lease is not None else None
-    ref = task.remote(config, sources, tracking.tracking_uri(), beacon)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    poll = 5.0 if lease is None else max(0.1, min(5.0, lease.ttl_s / 6))
-    seen = 0
-    try:
-        while True:
-            wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
-            ready, _ = ray.wait([ref], timeout=wait)
-            if ready:
-                return ray.get(ref)
-            if beacon is not None:
-                ticks = ray.get(beacon.read.remote(), timeout=60)
-                if ticks > seen:
-                    seen = ticks
-                    lease.progress()
-            if deadline is not None and time.monotonic() >= deadline:
-                ray.cancel(ref, force=True)
-                raise EvaluationTimeout(f"the evaluation of {sorted(sources)} did not finish within {timeout_s:.0f} s "
-                                        "(eval_timeout_s); it was cancelled and nothing was changed")
-    finally:
-        if beacon is not None:
-            ray.kill(beacon)
 
 
 def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:

@@ -15,7 +15,7 @@
   are the traffic evaluation's prompts: each row's tokens up to its last answer (the prompt the server was sent,
   chat template and generation prompt included).
 - *Promotion*: candidate and champion are decoded greedily on the base evaluation set (`eval_prompts`) and on the
-  held-out traffic, with one target load (`pipelines.retrain.evaluate_draft` on the base set; on traffic its tau alone,
+  held-out traffic, with one target load (`pipelines.retrain_eval.evaluate_draft` on the base set; on traffic its tau alone,
   `traffic_tau`; both by real decoding). The candidate
   takes `champion` (the same compare-and-set under the promotion lock, `pipelines.registry.decide_promotion`) only
   when its traffic tau beats the champion's by `margin` AND its base tau is no more than `base_margin` below the
@@ -121,7 +121,7 @@ def traffic_prompts(url: str, fraction: float, count: int) -> list[dict]:
 
 
 def traffic_tau(target, tokenizer, draft, prompts: list[dict], config) -> float:
-    """tau on the held-out traffic (`traffic_prompts`), as `pipelines.retrain.evaluate_draft` measures its tau:
+    """tau on the held-out traffic (`traffic_prompts`), as `pipelines.retrain_eval.evaluate_draft` measures its tau:
     greedy decoding with `config.eval_tree` as its auto-tune's calibration decodes (the same tree and context
     chains, `eagle_core.autotune`), without the cost measurements and timed decodes its speed-ups need."""
     from eagle_core.autotune import DEFAULT_CONTEXT_CHAINS, calibrate_acceptance

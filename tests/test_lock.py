@@ -170,8 +170,9 @@ def test_the_evaluation_under_the_lock_reports_progress_and_is_cancelled_past_it
                                                                                             monkeypatch):
     """The champion's re-evaluation (a Ray task) ticks a beacon; the driver turns each tick into the lease's
     progress. One that never finishes is cancelled at its deadline and the decision fails."""
-    import pipelines.retrain as retrain
-    from pipelines.retrain import EvaluationTimeout, RetrainConfig, evaluate_on_worker
+    import pipelines.retrain_eval as retrain_eval
+    from pipelines.retrain import RetrainConfig
+    from pipelines.retrain_eval import EvaluationTimeout, evaluate_on_worker
 
     seen = tmp_path / "progress-seen"
 
@@ -198,9 +199,9 @@ def test_the_evaluation_under_the_lock_reports_progress_and_is_cancelled_past_it
         time.sleep(3600)
 
     config = RetrainConfig(eval_cpus=0.5, eval_gpus=0)
-    monkeypatch.setattr(retrain, "_evaluate_drafts", ticking)
+    monkeypatch.setattr(retrain_eval, "_evaluate_drafts", ticking)
     assert evaluate_on_worker(config, {"champion": "unused"}, lease=Lease(), timeout_s=120) == {
         "champion": {"tau": 1.25}}
-    monkeypatch.setattr(retrain, "_evaluate_drafts", hung)
+    monkeypatch.setattr(retrain_eval, "_evaluate_drafts", hung)
     with pytest.raises(EvaluationTimeout, match="did not finish within 2 s"):
         evaluate_on_worker(config, {"champion": "unused"}, lease=Lease(), timeout_s=2)

@@ -202,7 +202,7 @@ def test_the_evaluation_rotates_which_mode_decodes_a_prompt_first(tiny_target, m
 
     import eagle_core.chat
     import eagle_core.generate
-    from pipelines.retrain import evaluate_draft
+    from pipelines.retrain_eval import evaluate_draft
     from tests.decode_helpers import echo_draft
 
     real, order = eagle_core.generate.generate, []

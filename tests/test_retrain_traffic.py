@@ -192,7 +192,7 @@ def test_traffic_tau_is_the_tau_evaluate_draft_reports(tiny_target):
     prompts, on a draft that is right often but not always."""
     from decode_helpers import echo_draft, random_prompts
     from eagle_core.tree import TreeConfig
-    from pipelines.retrain import evaluate_draft
+    from pipelines.retrain_eval import evaluate_draft
     from pipelines.retrain_traffic import traffic_tau
 
     draft = echo_draft(tiny_target)

@@ -6,8 +6,8 @@ Definitions (the project's, `eagle_core.generate.RequestStats`): a *draft round*
 or chain for one request; its accept length counts the draft tokens accepted (bonus excluded);
 tau = 1 + accepted / draft rounds, pooled over whatever is being measured (a request, a window of requests).
 
-The drift rule compares like with like: the champion's evaluation tau (`pipelines.retrain.evaluate`, the version
-tag `tau`) is measured on tree rounds, so the drift window pools only a request's tree rounds (`DRIFT_MODES`,
+The drift rule compares like with like: the champion's evaluation tau (`pipelines.retrain_eval.evaluate_draft`, the
+version tag `tau`) is measured on tree rounds, so the drift window pools only a request's tree rounds (`DRIFT_MODES`,
 "context" being a tree with a prompt-lookup chain grafted beside it). Chain rounds (the load fallback) have a
 shorter path by construction and plain rounds propose nothing; counting them would raise an alert whenever load
 rises. A request with no tree round does not enter the drift window.
