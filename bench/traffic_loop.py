@@ -86,6 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- small pieces -----------------------------------------------------------------------------------------------
 
+def quiet(log: Path):
+    """This process's output (Ray's and MLflow's too) to `log` while a noisy stage runs (`quiet_terminal`)."""
+    return quiet_terminal(str(log), tags=())
+
+
 def metrics(url: str) -> dict:
     """/metrics as {(name, ((label, value), ...)): value}."""
     import httpx
@@ -195,7 +200,7 @@ def stage_champion(args, base_config, log: Path) -> dict:
     from pipelines.registry import CHAMPION, register_draft_folder
     from pipelines.retrain_eval import evaluate_on_worker
 
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         evaluation = evaluate_on_worker(base_config, {"champion": str(SHIPPED_DRAFT)})["champion"]
         version = register_draft_folder(str(SHIPPED_DRAFT), NAME, CHAMPION, experiment="traffic-loop",
                                         run_name="shipped-draft", expected_champion=None, tau=evaluation["tau"])
@@ -209,7 +214,7 @@ def stage_traffic(args, tree, traffic_url: str, port: int, log: Path) -> dict:
 
     from pipelines.serve.app import build_app, run_local
 
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         url = run_local(build_app(serve_args(args, tree, traffic_url)), "traffic-loop-on", port)
     requests, alert_at = [], None
     for i, item in enumerate(code_prompts(args.requests), 1):
@@ -236,7 +241,7 @@ def stage_traffic(args, tree, traffic_url: str, port: int, log: Path) -> dict:
     dropped = {labels[0][1]: v for (name, labels), v in values.items()
                if name == "eagle3_serve_traffic_records_total" and labels and labels[0][1] not in ("offered", "written")}
     event = drift_event_from_mlflow()
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         serve.delete("traffic-loop-on")
     return {"url": url, "requests": requests, "alert_at_request": alert_at, "alerts_total": alerts,
             "reference_tau_in_metrics": reference, "offered": offered, "written": written, "not_written": dropped,
@@ -249,13 +254,13 @@ def stage_sink_off(args, tree, work: Path, port: int, log: Path) -> dict:
     from pipelines.serve.app import build_app, run_local
 
     before = files_under(work)
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         url = run_local(build_app(serve_args(args, tree, None)), "traffic-loop-off", port)
     item = code_prompts(args.requests + 1)[-1]  # a prompt the sink-on deployment was not sent
     answer = ask(url, item["messages"], args.max_tokens)
     values = metrics(url)
     time.sleep(3)  # longer than the sink-on deployment's flush interval: a sink, if any, would have committed
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         serve.delete("traffic-loop-off")
     new = sorted(f for f in files_under(work) - before if f.endswith((".parquet", "manifest.json")))
     return {"answered": answer["completion_tokens"] > 0, "completion_tokens": answer["completion_tokens"],
@@ -297,7 +302,7 @@ def stage_retrain(config, log: Path) -> dict:
     from pipelines.retrain_traffic import beats_on_traffic, check_traffic
 
     slice_ = check_traffic(config)
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         result = run_retrain(config)["scales"][0]
     summary = json.loads(Path(result["draft"]).parent.joinpath("summary.json").read_text())
     new = {"tau": result["tau"], "traffic_tau": result["traffic_tau"]}
@@ -412,7 +417,7 @@ def main(argv=None) -> int:
 
     say(f"[traffic-loop] work folder {shown_path(work)}")
     try:  # the target from the local cache only: nothing here reaches the network
-        with quiet_terminal(str(log), tags=()):
+        with quiet(log):
             load_target("smollm2-135m", device="cpu")
     except Exception as err:  # noqa: BLE001 - say why and stop
         say(f"[traffic-loop] SmolLM2 is not in the local cache ({err}); stopping")
@@ -440,7 +445,7 @@ def main(argv=None) -> int:
         load[name] = [round(before, 1), round(os.getloadavg()[0], 1)]
         return out
 
-    with quiet_terminal(str(log), tags=()):
+    with quiet(log):
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
         say(f"[traffic-loop] 1/5 champion: evaluating the shipped draft on {args.eval_prompts} x {args.eval_count}")
@@ -463,7 +468,7 @@ def main(argv=None) -> int:
             f"{retrain['candidate']['traffic_tau']:.3f}, on {args.eval_prompts} {retrain['champion']['tau']:.3f} -> "
             f"{retrain['candidate']['tau']:.3f}; {'promoted' if retrain['promoted'] else 'not promoted'}")
     finally:
-        with quiet_terminal(str(log), tags=()):
+        with quiet(log):
             with contextlib.suppress(Exception):
                 from ray import serve
 

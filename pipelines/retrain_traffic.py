@@ -15,11 +15,10 @@
   are the traffic evaluation's prompts: each row's tokens up to its last answer (the prompt the server was sent,
   chat template and generation prompt included).
 - *Promotion*: candidate and champion are decoded greedily on the base evaluation set (`eval_prompts`) and on the
-  held-out traffic, with one target load (`pipelines.retrain_eval.evaluate_draft` on the base set; on traffic its tau alone,
-  `traffic_tau`; both by real decoding). The candidate
-  takes `champion` (the same compare-and-set under the promotion lock, `pipelines.registry.decide_promotion`) only
-  when its traffic tau beats the champion's by `margin` AND its base tau is no more than `base_margin` below the
-  champion's (`beats_on_traffic`). Both taus are tagged on the version (`tau`, `traffic_tau`), logged in the MLflow
+  held-out traffic, with one target load (`pipelines.retrain_eval.evaluate_draft` on the base set; on traffic its
+  tau alone, `traffic_tau`; both by real decoding). The candidate takes `champion` (the same compare-and-set under
+  the promotion lock, `pipelines.registry.decide_promotion`) only when its traffic tau beats the champion's by
+  `margin` AND its base tau is no more than `base_margin` below the champion's (`beats_on_traffic`). Both taus are tagged on the version (`tau`, `traffic_tau`), logged in the MLflow
   child run and returned in the result.
 
 Before any work (`check_traffic`): the URL must hold a manifest whose fingerprint is the target's (else
@@ -128,7 +127,7 @@ def traffic_tau(target, tokenizer, draft, prompts: list[dict], config) -> float:
     from eagle_core.tree import TreeConfig
 
     full = config.eval_tree
-    size = TreeConfig(full.top_k, full.depth, full.total_tokens).size
+    size = full.size
     tau, _ = calibrate_acceptance(target, draft, [item["ids"] for item in prompts],
                                   TreeConfig(full.top_k, full.depth, size), [full.depth], [size],
                                   config.eval_max_new_tokens, tokenizer.eos_token_id, DEFAULT_CONTEXT_CHAINS)

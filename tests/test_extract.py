@@ -232,7 +232,8 @@ def test_regeneration_through_our_openai_server_equals_in_actor_greedy(submitted
                          num_gpus=0))
     url = run_app(app, "regen-server", "/regen")
     served = run_extract(job_config(tmp_path, tiny_target_dir, regenerate_with=f"openai:{url}"))
-    assert served.regeneration["with"].startswith("openai:") and load_manifest(local.output).regeneration["with"] == "hf"
+    assert served.regeneration["with"].startswith("openai:")
+    assert load_manifest(local.output).regeneration["with"] == "hf"
 
     def regenerated(output):
         lines = [json.loads(line) for f in sorted(Path(output, "regenerated").glob("*.jsonl"))
