@@ -18,8 +18,8 @@
   held-out traffic, with one target load (`pipelines.retrain_eval.evaluate_draft` on the base set; on traffic its
   tau alone, `traffic_tau`; both by real decoding). The candidate takes `champion` (the same compare-and-set under
   the promotion lock, `pipelines.registry.decide_promotion`) only when its traffic tau beats the champion's by
-  `margin` AND its base tau is no more than `base_margin` below the champion's (`beats_on_traffic`). Both taus are tagged on the version (`tau`, `traffic_tau`), logged in the MLflow
-  child run and returned in the result.
+  `margin` AND its base tau is no more than `base_margin` below the champion's (`beats_on_traffic`). Both taus are
+  tagged on the version (`tau`, `traffic_tau`), logged in the MLflow child run and returned in the result.
 
 Before any work (`check_traffic`): the URL must hold a manifest whose fingerprint is the target's (else
 FingerprintMismatch naming the fields, as training refuses features of another target), with conversations both
