@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -123,7 +124,10 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         start([str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
                "--num-cpus=3", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
                f"--dashboard-agent-listen-port={free_port()}"], {**node_env, "EAGLE3_CACHE": str(caches["head"])})
+        # The head's port answers before its node is registered; a worker node started then competes with the
+        # head's start-up, and on a loaded machine its raylet missed Ray's 30 s registration deadline.
         wait_until(lambda: accepts(ray_port), "the Ray head")
+        time.sleep(5)
         start([str(bin_dir / "ray"), "start", "--block", f"--address=127.0.0.1:{ray_port}",
                "--node-ip-address=127.0.0.1", "--num-cpus=3", f"--dashboard-agent-listen-port={free_port()}"],
               {**node_env, "EAGLE3_CACHE": str(caches["worker"])})
