@@ -169,9 +169,12 @@ def submitted(ray_cluster, tmp_path_factory, tiny_target_dir):
 
 
 @pytest.mark.slow
-def test_killed_job_resumes_exactly_once(submitted, s3_endpoint, tmp_path, tiny_target_dir):
-    """SIGKILL the driver (and its local cluster) after some shards; the rerun equals an uninterrupted run (the
-    submitted job's, same settings). The killed job writes to S3 (moto on 127.0.0.1), where a commit is one PUT."""
+def test_killed_job_resumes_exactly_once(submitted, ray_cluster, s3_endpoint, tmp_path, tiny_target_dir):
+    """SIGKILL the job's driver after some shards (a `python jobs/extract.py` on the session's cluster: Ray ends
+    the dead driver's actors mid-write); the rerun equals an uninterrupted run (the submitted job's, same
+    settings). The killed job writes to S3 (moto on 127.0.0.1), where a commit is one PUT. (The driver started a
+    local cluster of its own, killed with it, until the suite had to fit 15 minutes; the shards' commits are the
+    same either way.)"""
     import uuid
 
     import fsspec
@@ -180,8 +183,8 @@ def test_killed_job_resumes_exactly_once(submitted, s3_endpoint, tmp_path, tiny_
     assert submitted[2].returncode == 0, submitted[2].stderr[-3000:]
     # One conversation per shard, with replies long enough that the kill lands mid-run.
     killed = job_config(tmp_path, tiny_target_dir, output=f"s3://eagle3/extract-killed-{uuid.uuid4().hex[:8]}")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", EAGLE3_WORK=str(tmp_path / "work"))
-    env.pop("RAY_ADDRESS", None)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", EAGLE3_WORK=str(tmp_path / "work"),
+               RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     proc = subprocess.Popen(_extract_cmd(killed), env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -189,7 +192,7 @@ def test_killed_job_resumes_exactly_once(submitted, s3_endpoint, tmp_path, tiny_
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    kill_session(proc.pid)  # Ray processes of the killed local cluster that left the process group
+    kill_session(proc.pid)  # anything the driver started that left its process group
     partial = committed_shards(killed.output)
     assert 2 <= len(partial) < 8, "the job must be killed mid-run"
 

@@ -109,7 +109,7 @@ print("RESULT", folder, digest, len(parses))
 
 @pytest.mark.slow
 def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
-    """N processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
+    """Three processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
     extraction actors start together) all succeed, agree on one folder with identical weights, and leave no
     temporary folder behind; one of them converts, parsing the GGUF's metadata once (not once per tokenizer,
     config and weights: `_one_gguf_parse`)."""
@@ -120,13 +120,13 @@ def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "EAGLE3_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _CONVERT], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
         results.append(next(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT")))
-    assert sorted(int(r.pop()) for r in results) == [0, 0, 0, 1], results  # the converter parsed once
+    assert sorted(int(r.pop()) for r in results) == [0, 0, 1], results  # the converter parsed once
     assert len({tuple(r) for r in results}) == 1, results
     folder = results[0][0]
     leftovers = [p.name for p in (cache / "targets").iterdir() if ".tmp" in p.name]
