@@ -1,4 +1,5 @@
-"""A few hundred TTT steps on real SmolLM2 features teach the draft to agree with the target."""
+"""Eighty TTT steps on real SmolLM2 features teach the draft to agree with the target (measured here: step-0
+accuracy 0.002 -> 0.71 against a bar of 0.3; 200 steps, until the suite had to fit 15 minutes, reached 0.80)."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from eagle_core.teacher import with_targets
 from eagle_core.ttt import TrainConfig, train_draft_steps, ttt_forward
 from eagle_core.vocab import TokenCounter, build_vocab_mapping
 
-N_CONVERSATIONS, MAX_LENGTH, TTT_STEPS, DRAFT_VOCAB, STEPS = 6, 112, 2, 512, 200
+N_CONVERSATIONS, MAX_LENGTH, TTT_STEPS, DRAFT_VOCAB, STEPS = 6, 112, 2, 512, 80
 
 
 def _conversation_batches(model, tokenizer, n):
@@ -40,7 +41,7 @@ def test_ttt_learns_on_smollm2(smollm2):
         counter.update(b["input_ids"], b["loss_mask"])
     d2t, t2d = build_vocab_mapping(counter, DRAFT_VOCAB)
     head = model.get_output_embeddings().weight
-    # The batches are revisited ~30 times: compute the target's distribution once.
+    # The batches are revisited ~13 times: compute the target's distribution once.
     batches = [with_targets(b, head, d2t) for b in batches]
 
     torch.manual_seed(0)
@@ -48,7 +49,7 @@ def test_ttt_learns_on_smollm2(smollm2):
     # "Chance" made generous: always proposing the most frequent masked token.
     unigram = float(counter.counts.max()) / counter.total
     before = _step0_accuracy(draft, batches, head)
-    cfg = TrainConfig(lr=1e-3, warmup_steps=20, total_steps=STEPS, ttt_steps=TTT_STEPS)
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, total_steps=STEPS, ttt_steps=TTT_STEPS)
     history = train_draft_steps(draft, batches, head, cfg)
     after = _step0_accuracy(draft, batches, head)
 
