@@ -31,6 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def accepts(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def kill_session(sid: int) -> None:
     """SIGKILL every process of session `sid` (never `ray stop`: that would stop other clusters too)."""
     for entry in Path("/proc").iterdir():

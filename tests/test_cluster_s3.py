@@ -26,7 +26,7 @@ import pytest
 
 from eagle_core.target import make_tiny_llama
 from pipelines.storage import upload_folder
-from process_helpers import TEST_RAY_ENV, free_port, kill_session, wait_until
+from process_helpers import TEST_RAY_ENV, accepts, free_port, kill_session, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,13 +37,6 @@ def answers(url: str) -> bool:
         return True
     except Exception:
         return False
-
-
-def accepts(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -163,14 +163,12 @@ def test_a_killed_run_resumes_and_a_killed_worker_restarts_to_the_clean_result(f
     import uuid
 
     from jobs.train import main
-    from pipelines.storage import read_bytes
+    from pipelines.storage import exists, join, read_bytes
     from pipelines.train.faults import FAULT_ENV
 
     monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
     output = f"s3://eagle3/train-killed-{uuid.uuid4().hex[:8]}"
     assert clean["total_steps"] > 7 and job(features, output).max_failures > 0
-    from pipelines.storage import exists, join
-
     storage = join(output, "ray", f"train-{output.rsplit('/', 1)[-1]}")
     monkeypatch.setenv(FAULT_ENV, "4")  # test-only hook (pipelines/train/faults.py), not a job option
     # The worker dies and max_failures=0: the run fails, at the injected fault. A run that failed before it, for
