@@ -116,7 +116,11 @@ def test_racing_drivers_decide_once_per_observed_champion_and_the_best_draft_win
         taus[version] = tau
         drivers.append((version, tau))
     start = time.time() + 8  # after every interpreter has imported MLflow
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The drivers keep MLflow's own retries and timeout, as deployed drivers do: the module's fail-fast settings are
+    # for the stopped and hung server above, and one slow answer on a loaded machine failed a driver with them.
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                                                             "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    env["PYTHONPATH"] = str(REPO)
     procs = [subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps([name, v, tau, champion, 1.5, taus, start])],
                               env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for v, tau in drivers]
