@@ -115,7 +115,11 @@ class PromotionLease:
     that version needs that same marker, the lock cannot change between the re-read and the delete. Two racing
     takeovers thus delete the expired version once and never the lock that one of them has just taken. A marker
     left by a process that died holding it expires after ttl and is removed. `verify()` before acting re-reads
-    the owner."""
+    the owner.
+
+    Two answers to a create are not what they say. "Does not exist": the server's insert collided with a lock
+    (or marker) that was deleted before the server re-read it, so it is gone now. "Already exists" naming this
+    process as owner: our create landed, its answer was lost and MLflow's retry collided with it."""
 
     def __init__(self, name: str, ttl_s: float = 600.0, wait_s: float = 1800.0, poll_s: float = 1.0):
         self.model, self.lock = name, name + LOCK_SUFFIX
@@ -143,9 +147,13 @@ class PromotionLease:
                                           description=f"promotion lock of {self.model}; held by {self.owner}")
                 break
             except MlflowException as err:
+                if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
+                    continue  # the lock was there and was released while the server answered: try again
                 if _error_code(err) != "RESOURCE_ALREADY_EXISTS":
                     raise _unavailable(f"taking the promotion lock {self.lock!r}", err) from err
             holder = self._holder()
+            if holder is not None and holder[0] == self.owner:
+                break  # our own create landed and its answer was lost: MLflow's retry found our lock
             if holder is not None and holder[1] < time.time():
                 log.warning("promotion lock %s held by %s expired; taking it over", self.lock, holder[0])
                 if not self._delete_if_held_by(holder[0]):
@@ -194,9 +202,13 @@ class PromotionLease:
             c.create_registered_model(marker, tags={"by": self.owner, "expires": f"{time.time() + self.ttl_s:.3f}"},
                                       description=f"deleting {self.lock} as held by {owner}")
         except MlflowException as err:
+            if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
+                return False  # another process's marker was there and went: it deleted that version
             if _error_code(err) != "RESOURCE_ALREADY_EXISTS":
                 raise _unavailable(f"marking the promotion lock {self.lock!r} for deletion", err) from err
             tags = self._tags_of(marker) or {}
+            if tags.get("by") == self.owner:  # our own create landed and its answer was lost (a retry)
+                return self._delete_held_by(owner, marker)
             try:
                 stale = float(tags.get("expires", "0")) < time.time()
             except ValueError:
@@ -204,6 +216,10 @@ class PromotionLease:
             if tags and stale:  # its maker died between marking and deleting: clear the way for the next try
                 self._delete_model(marker)
             return False  # another process is deleting this version (or it is gone)
+        return self._delete_held_by(owner, marker)
+
+    def _delete_held_by(self, owner: str, marker: str) -> bool:
+        """Under this process's `marker`: delete the lock if it is still the version `owner` took, then the marker."""
         try:
             holder = self._holder()
             if holder is None or holder[0] != owner:
