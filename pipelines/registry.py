@@ -33,6 +33,8 @@ CHAMPION, CANDIDATE = "champion", "candidate"
 PREVIOUS_CHAMPION_TAG = "eagle3.previous_champion"
 DECIDED_AGAINST_TAG = "eagle3.decided_against"  # the champion version a promotion decision compared with
 ROLLED_BACK_TAG = "eagle3.rolled_back_to"
+TAU_TAG = "tau"  # a version's evaluation tau (`decide_promotion`, `register_draft_folder`): the drift rule's reference
+TAU_DTYPE_TAG = "eagle3.tau_dtype"  # the target dtype that tau was measured in (tau depends on it: near-ties flip)
 LOCK_SUFFIX = ".promotion-lock"
 
 log = logging.getLogger(__name__)
@@ -298,7 +300,7 @@ class Decision:
 def decide_promotion(name: str, version, new_tau: float | dict, observed: str | None,
                      observed_tau: float | dict | None, margin: float, evaluate_champion: Callable[[str], float | dict],
                      lease: PromotionLease | None = None, max_moves: int = 3,
-                     beats: Callable[[dict, dict], bool] | None = None) -> Decision:
+                     beats: Callable[[dict, dict], bool] | None = None, tags: dict | None = None) -> Decision:
     """Compare-and-set: under the lease, re-read `name@champion`; if it is no longer `observed` (the version the
     caller evaluated, None for no champion), evaluate the new champion (`evaluate_champion(version) -> tau`) and
     compare again; then alias `version` champion when its tau beats the champion's by `margin`, else candidate.
@@ -309,8 +311,8 @@ def decide_promotion(name: str, version, new_tau: float | dict, observed: str | 
 
     A score (the new version's, the champion's, what `evaluate_champion` returns) is a tau, or a dict of named
     taus (retraining from traffic: {"tau": on the base evaluation set, "traffic_tau": on held-out traffic}); each
-    named tau is tagged on `version` under its name. `beats(new, champion)` decides between dict scores; None: new
-    > champion + margin."""
+    named tau is tagged on `version` under its name, with `tags` (how it was measured: TAU_DTYPE_TAG). `beats(new,
+    champion)` decides between dict scores; None: new > champion + margin."""
     version = str(version)
     observed = None if observed is None else str(observed)
     lease = lease or PromotionLease(name)
@@ -338,8 +340,10 @@ def decide_promotion(name: str, version, new_tau: float | dict, observed: str | 
         promoted = champion_tau is None or (beats(new_tau, champion_tau) if beats is not None
                                             else new_tau > champion_tau + margin)
         lease.verify()  # the alias moves only while this process holds the lock
-        for key, tau in (new_tau if isinstance(new_tau, dict) else {"tau": new_tau}).items():
+        for key, tau in (new_tau if isinstance(new_tau, dict) else {TAU_TAG: new_tau}).items():
             c.set_model_version_tag(name, version, key, f"{tau:.4f}")
+        for key, value in (tags or {}).items():
+            c.set_model_version_tag(name, version, key, str(value))
         c.set_model_version_tag(name, version, DECIDED_AGAINST_TAG, observed or "none")
         if promoted and observed not in (None, version):
             c.set_model_version_tag(name, version, PREVIOUS_CHAMPION_TAG, observed)
@@ -395,10 +399,11 @@ def rollback(name: str, lease: PromotionLease | None = None) -> tuple[str, str]:
 
 def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, experiment: str = "eagle3-retrain",
                           run_name: str = "register-draft", expected_champion: str | None = None,
-                          tau: float | None = None) -> int:
+                          tau: float | None = None, tau_dtype: str | None = None) -> int:
     """Log a draft folder (e.g. the shipped one) as an MLflow run's artifacts and register it under `name`
     with `alias`; returns the new version. `tau`: its evaluation tau, tagged on the version as `decide_promotion`
-    tags a promoted one (what a serving replica's drift rule compares with), before the version takes the alias.
+    tags a promoted one (what a serving replica's drift rule compares with), before the version takes the alias;
+    `tau_dtype`: the target dtype it was measured in.
 
     `champion` moves only by compare-and-set under the promotion lock (`registry.set_champion`): the version
     becomes champion only if the champion is still `expected_champion` (None: there is none), else
@@ -412,7 +417,9 @@ def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, 
     c.set_terminated(run_id)
     version = tracking.register_artifact(run_id, "draft", name, None if alias == CHAMPION else alias)
     if tau is not None:
-        c.set_model_version_tag(name, str(version), "tau", f"{tau:.4f}")
+        c.set_model_version_tag(name, str(version), TAU_TAG, f"{tau:.4f}")
+    if tau_dtype is not None:
+        c.set_model_version_tag(name, str(version), TAU_DTYPE_TAG, tau_dtype)
     if alias == CHAMPION:
         set_champion(name, version, expected_champion)
     return version

@@ -17,9 +17,9 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from eagle_core.tree import TreeConfig
-from pipelines.registry import (CANDIDATE, CHAMPION, PromotionConflict, PromotionLease,  # noqa: F401 (re-exported)
-                                alias_version, client as registry_client, decide_promotion, register_draft_folder,
-                                rollback)
+from pipelines.registry import (CANDIDATE, CHAMPION, TAU_DTYPE_TAG, PromotionConflict,  # noqa: F401 (re-exported)
+                                PromotionLease, alias_version, client as registry_client, decide_promotion,
+                                register_draft_folder, rollback)
 from pipelines.retrain_eval import check_eval_prompts, evaluate_on_worker
 from pipelines.retrain_traffic import (check_traffic, extract_overrides, promotion_rule, promotion_score,
                                        traffic_result, training_features)
@@ -213,7 +213,7 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
 
     decision = decide_promotion(config.registered_model, version, promotion_score(config, new), observed,
                                 promotion_score(config, champion_eval), config.margin, evaluate_champion, lease,
-                                beats=promotion_rule(config))
+                                beats=promotion_rule(config), tags={TAU_DTYPE_TAG: new["dtype"]})
     promoted = decision.promoted
     if decision.champion_version in (None, str(version)):
         champion_eval = None

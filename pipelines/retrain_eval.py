@@ -116,6 +116,7 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, be
     for name, source in sources.items():
         draft = load_draft(resolve_source(source), target=target)
         results[name] = evaluate_draft(target, tokenizer, draft, prompts, config, on_progress=tick)
+        results[name]["dtype"] = str(target.dtype).removeprefix("torch.")  # tau depends on it (TAU_DTYPE_TAG)
         if traffic:
             results[name][TRAFFIC_SET] = {"tau": traffic_tau(target, tokenizer, draft, traffic, config),
                                           "prompts": len(traffic)}

@@ -161,6 +161,10 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     runs = child_runs(client, experiment, first["parent_run_id"])
     assert sorted(r.data.params["rows"] for r in runs) == ["12", "6"]
     assert all("tau" in r.data.metrics for r in runs)
+    for scale in (small, large):  # each decision tagged its version's tau and the dtype it was measured in
+        tags = client.get_model_version("retrain-test", str(scale["version"])).tags
+        assert float(tags["tau"]) == pytest.approx(scale["tau"], abs=1e-4) and tags["eagle3.tau_dtype"] in (
+            "float32", "bfloat16"), tags
     artifacts = {a.path for a in client.list_artifacts(first["parent_run_id"])}
     assert {"tau_vs_data_scale.png", "scaling.json"} <= artifacts
 

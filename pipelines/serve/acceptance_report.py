@@ -20,10 +20,10 @@ import time
 from typing import Callable
 
 from pipelines.hooks import import_callable
+from pipelines.registry import TAU_DTYPE_TAG, TAU_TAG
 from pipelines.serve.acceptance import DriftEvent, WindowSummary
 
 log = logging.getLogger(__name__)
-TAU_TAG = "tau"  # set on a version by pipelines.registry.decide_promotion: its evaluation tau
 HOOK_ENV = "EAGLE3_DRIFT_EVENT"
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function
 
@@ -45,9 +45,14 @@ def registry_version(source: str | None, version: str | None) -> tuple[str, str]
     return registered_name(source), version
 
 
-def reference_tau(config, version: str | None) -> float | None:
+def reference_tau(config, version: str | None, served_dtype: str | None = None) -> float | None:
     """What the drift rule compares with: `drift_reference_tau`, else the served registry version's `tau` tag,
-    else None (no drift rule). A registry that does not answer also gives None (logged): serving goes on."""
+    else None (no drift rule). A registry that does not answer also gives None (logged): serving goes on.
+
+    A tau measured in another dtype than the replica's `served_dtype` (its TAU_DTYPE_TAG) is still the reference,
+    with a warning: greedy tau moves with the dtype (bf16 flips near-ties), by more than a usual margin on a small
+    target, so the rule may alert, or stay silent, for the dtype alone; `drift_reference_tau` sets one measured
+    as the replica serves."""
     if not config.drift:
         return None
     if config.drift_reference_tau is not None:
@@ -59,7 +64,13 @@ def reference_tau(config, version: str | None) -> float | None:
         from pipelines import tracking
 
         client = tracking.configure().tracking.MlflowClient()
-        tag = (client.get_model_version(*ref).tags or {}).get(TAU_TAG)
+        tags = client.get_model_version(*ref).tags or {}
+        tag = tags.get(TAU_TAG)
+        measured_in = tags.get(TAU_DTYPE_TAG)
+        if tag is not None and served_dtype and measured_in and measured_in != served_dtype:
+            log.warning("the drift reference tau %s of %s version %s was measured in %s; this replica serves %s: "
+                        "the drift rule compares across dtypes (set drift_reference_tau to one measured as served)",
+                        tag, *ref, measured_in, served_dtype)
         return float(tag) if tag is not None else None
     except Exception as exc:  # noqa: BLE001 - no reference means no drift rule, never a failed replica
         log.warning("cannot read the evaluation tau of %s version %s; drift rule off for it", *ref, exc_info=exc)

@@ -172,7 +172,8 @@ class Service:
                  reference, config.drift_margin)
 
     def _reference_tau(self, version: str | None) -> float | None:
-        return reference_tau(self.config, version) if self.config.acceptance else None
+        served_dtype = str(self.target.dtype).removeprefix("torch.")
+        return reference_tau(self.config, version, served_dtype) if self.config.acceptance else None
 
     def set_acceptance_reference(self, version: str | None, reference: float | None) -> None:
         """A new served version (or reference tau): windows and alerts start afresh."""
