@@ -94,6 +94,11 @@ def test_a_warm_start_inherits_the_source_vocabulary_when_it_fits(tmp_path, tiny
     other = type(tiny_target.config)(**{**tiny_target.config.to_dict(), "vocab_size": tiny_target.config.vocab_size + 1})
     assert inherited_vocab(str(tmp_path / "source"), other, 64) is None
 
+    from pipelines.train.model import vocab_coverage  # the share of loss tokens that vocabulary (100..163) holds
+
+    assert vocab_coverage({100: 6, 163: 2, 99: 1, 164: 1}, d2t) == pytest.approx(0.8)
+    assert vocab_coverage({}, d2t) == 1.0
+
 
 # one word per answer, so that a larger scale's answers hold tokens a smaller scale's never saw (its own
 # vocabulary would differ from the champion's)
@@ -155,6 +160,11 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
 
     drafts = Path(setting["work"]) / "drafts"
     assert torch.equal(load_draft(drafts / "rows-12" / "draft").d2t, load_draft(drafts / "rows-6" / "draft").d2t)
+    # ... and reported how much of its data that kept vocabulary holds (the first scale built its own)
+    summaries = {rows: json.loads((drafts / f"rows-{rows}" / "summary.json").read_text()) for rows in (6, 12)}
+    assert [summaries[r]["draft_vocab_inherited"] for r in (6, 12)] == [False, True]
+    assert all(0 < summaries[r]["draft_vocab_coverage"] <= 1 for r in (6, 12))
+    assert summaries[12]["draft_vocab_coverage"] < 1  # the larger scale's new words are outside it
 
     client = MlflowClient(tracking.tracking_uri())
     experiment = client.get_experiment_by_name("retrain-test").experiment_id

@@ -60,6 +60,16 @@ def vocab_from_counts(token_counts: dict, target_vocab_size: int, draft_vocab_si
     return build_vocab_mapping(counter, min(draft_vocab_size, target_vocab_size))
 
 
+def vocab_coverage(token_counts: dict, d2t: torch.Tensor) -> float:
+    """The share of the loss tokens counted in `token_counts` that the draft vocabulary `d2t` holds. A draft never
+    proposes a token outside its vocabulary, so the rest can never be accepted from it, however long it trains."""
+    total = sum(token_counts.values())
+    if not total:
+        return 1.0
+    held = set((torch.arange(len(d2t)) + d2t.cpu()).tolist())
+    return sum(count for token, count in token_counts.items() if int(token) in held) / total
+
+
 def draft_config(config: TrainJobConfig, tconfig, aux_layer_ids=None):
     from eagle_core.draft import DraftConfig
 
