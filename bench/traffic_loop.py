@@ -19,8 +19,8 @@ MLflow SQLite store under --work; every server on 127.0.0.1):
    reference measured otherwise alerts, or stays silent, for the dtype alone). Prompts of a distribution the draft
    never trained on (`--traffic-prompts`, by default bench/prompts/non-english.jsonl: 300 templated questions in
    French, Spanish, Italian, Portuguese and German, interleaved) are sent one at a time through
-   /v1/chat/completions, greedy, label "unseen"; after each, /metrics is read: the request at which the drift alert first stands is recorded, and the
-   alert's MLflow event (the serving run's tag) is read back.
+   /v1/chat/completions, greedy, label "unseen"; after each, /metrics is read: the request at which the drift
+   alert first stands is recorded, and the alert's MLflow event (the serving run's tag) is read back.
 3. *Sink*: once the sink has written every record it was offered, the app is deleted; its shards are counted.
 4. *Sink off*: the same app with no traffic_url answers a request; no shard or manifest appears anywhere under
    --work and /metrics has no traffic series.

@@ -97,6 +97,7 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, be
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import default_device, load_target
     from pipelines.cluster import use_assigned_cpus
+    from pipelines.feature_files import DTYPE_NAMES
     from pipelines.prompt_sets import prompt_set, target_answerer
 
     def tick():  # progress for the driver's lease (a beacon actor it polls), when it holds one
@@ -116,7 +117,7 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, be
     for name, source in sources.items():
         draft = load_draft(resolve_source(source), target=target)
         results[name] = evaluate_draft(target, tokenizer, draft, prompts, config, on_progress=tick)
-        results[name]["dtype"] = str(target.dtype).removeprefix("torch.")  # tau depends on it (TAU_DTYPE_TAG)
+        results[name]["dtype"] = DTYPE_NAMES[target.dtype]  # tau depends on it (TAU_DTYPE_TAG)
         if traffic:
             results[name][TRAFFIC_SET] = {"tau": traffic_tau(target, tokenizer, draft, traffic, config),
                                           "prompts": len(traffic)}

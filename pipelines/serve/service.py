@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from eagle_core.chat import encode_prompt
 from eagle_core.verify import SamplingConfig
+from pipelines.feature_files import DTYPE_NAMES
 from pipelines.serve import protocol as P
 from pipelines.serve import responses as R
 from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
@@ -172,7 +173,7 @@ class Service:
                  reference, config.drift_margin)
 
     def _reference_tau(self, version: str | None) -> float | None:
-        served_dtype = str(self.target.dtype).removeprefix("torch.")
+        served_dtype = DTYPE_NAMES[self.target.dtype]  # named as the evaluation names it (TAU_DTYPE_TAG)
         return reference_tau(self.config, version, served_dtype) if self.config.acceptance else None
 
     def set_acceptance_reference(self, version: str | None, reference: float | None) -> None:

@@ -66,7 +66,9 @@ def vocab_coverage(token_counts: dict, d2t: torch.Tensor) -> float:
     total = sum(token_counts.values())
     if not total:
         return 1.0
-    held = set((torch.arange(len(d2t)) + d2t.cpu()).tolist())
+    from eagle_core.vocab import draft_ids_from_mapping
+
+    held = set(draft_ids_from_mapping(d2t).tolist())
     return sum(count for token, count in token_counts.items() if int(token) in held) / total
 
 
