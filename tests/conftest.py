@@ -72,6 +72,11 @@ def ray_cluster(tmp_path_factory, s3_endpoint):
     # A short folder: Ray's unix sockets live under it and their paths must fit 107 bytes (pytest's own temporary
     # folders under xdist, .../popen-gw1/ray0/session_.../sockets/..., do not: the dashboard then fails to start).
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    # Cluster also records the head's address in Ray's default folder (/tmp/ray/ray_current_cluster, whatever
+    # temp_dir says) and does not create that folder: on a machine that never ran Ray it fails without this.
+    from ray._common.utils import get_default_ray_temp_dir
+
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
         dashboard_port=0, dashboard_agent_listen_port=free_port(), temp_dir=temp_dir, object_store_memory=None))
