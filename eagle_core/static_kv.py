@@ -13,6 +13,11 @@ traces whole (`StaticConfig.compile`):
 * the steps: `plain_step`, and `verify` (tree forward, acceptance, keep of the path) on the tree padded to its
   `WIDTH_BUCKETS` width.
 
+Every step (and the draft loop) runs on the batch's `ROW_BUCKETS` rows (`step_rows`: at most the rows allocated):
+padding rows are spare rows, emptied (length 0) before the step and fed copies of the last real row's inputs, so
+they write only slots [0, S) of their own rows, which no row owns, and what they compute is cut off. Rows leaving
+and joining within one bucket change no shape a compiled step sees.
+
 The draft's cache, `StaticDraftKV`, has the same layout (both share `StaticRows`) and runs the whole draft loop of a
 round as one step (`draft_tree`).
 
@@ -38,7 +43,8 @@ its K; `pending`; `attend_width`), never read from the device. What does not fit
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -47,7 +53,7 @@ from eagle_core.attention import layer_rules, our_attention, to_bias, within_spa
 from eagle_core.families import UnsupportedTarget, family_name
 from eagle_core.kv import DraftKV, TargetKV, lm_logits
 from eagle_core.tree import Tree, TreeConfig, _grow
-from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next
+from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next, seed_tensor
 
 # Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
 # position embeddings, cache) -> final norm, which `StaticKV._forward` reproduces (the tests check each against
@@ -60,27 +66,61 @@ log = logging.getLogger(__name__)
 # A verified tree is padded to the first of these node counts it fits (wider ones keep their own): trees of one
 # bucket share one compiled verify step (a context chain's length, a draft's size vary from round to round).
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
+# A batch's compiled steps run on the first of these row counts it fits (at most the rows allocated; more rows keep
+# their own): rows leaving and joining inside one bucket change no shape the steps see.
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next((w for w in buckets if w >= n), n)
 
 
 def verify_width(n: int) -> int:
     """The node count a tree of n nodes is verified at: its `WIDTH_BUCKETS` width, or n past the widest (>= n)."""
-    return next((w for w in WIDTH_BUCKETS if w >= n), n)
+    return _bucket(n, WIDTH_BUCKETS)
 
 
-def padded_tree(tree: Tree, width: int) -> Tree:
+def step_rows(n: int, allocated: int) -> int:
+    """The rows the steps of a batch of n rows run on: its `ROW_BUCKETS` bucket, at most the `allocated` rows of
+    its buffers (>= n), or n past the largest bucket."""
+    return min(_bucket(n, ROW_BUCKETS), max(n, allocated))
+
+
+def pad_rows(x: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """x [B, ...] with rows - B padding rows after its own, copies of its last (valid ids, finite values: what a
+    padding row computes is never read back); None stays None."""
+    if x is None or x.shape[0] == rows:
+        return x
+    return torch.cat([x, x[-1:].expand(rows - x.shape[0], *x.shape[1:])])
+
+
+def _first_rows(out, b: int):
+    """A step's output (a `Tree`, an `Acceptance`) with its tensors cut to the batch's b real rows."""
+    return replace(out, **{f.name: getattr(out, f.name)[:b] for f in fields(out)
+                           if isinstance(getattr(out, f.name), torch.Tensor)})
+
+
+def padded_tree(tree: Tree, width: int, rows: int | None = None) -> Tree:
     """`tree` [B, N] as the verify step sees it: width - N padding nodes after its own (token 0 at depth 0, parent
     the root, each seeing the committed prefix and itself only), its draft size the width and nothing else (no
     score, no context chain), so trees of one width trace alike. A padding node is never accepted (depth 0 never
     deepens a path: the root, first, wins the tie), so never kept, and no real node sees one; `forward_tokens`
-    clamps a context chain's NO_TOKEN slots as before, and acceptance still reads them as unacceptable."""
+    clamps a context chain's NO_TOKEN slots as before, and acceptance still reads them as unacceptable. `rows`:
+    padding rows after the batch's (`pad_rows`; default none)."""
     b, n = tree.tokens.shape
+    rows = rows or b
     zeros = tree.tokens.new_zeros(b, max(width - n, 0))
     ancestors = torch.zeros(b, width, width, dtype=torch.bool, device=tree.tokens.device)
     ancestors[:, :n, :n] = tree.ancestors
     ancestors[:, n:, n:] = torch.eye(width - n, dtype=torch.bool, device=tree.tokens.device)
-    return Tree(tokens=torch.cat([tree.tokens, zeros], 1), parents=torch.cat([tree.parents, zeros], 1),
-                depth=torch.cat([tree.depth, zeros], 1), ancestors=ancestors, rank=torch.cat([tree.rank, zeros], 1),
-                draft_size=width)
+    return Tree(tokens=pad_rows(torch.cat([tree.tokens, zeros], 1), rows),
+                parents=pad_rows(torch.cat([tree.parents, zeros], 1), rows),
+                depth=pad_rows(torch.cat([tree.depth, zeros], 1), rows), ancestors=pad_rows(ancestors, rows),
+                rank=pad_rows(torch.cat([tree.rank, zeros], 1), rows), draft_size=width)
+
+
+def _padded_seeds(seeds, rows: int, device) -> torch.Tensor | None:
+    return None if seeds is None else pad_rows(seed_tensor(seeds, device), rows)
 
 
 class CacheFull(RuntimeError):
@@ -117,8 +157,23 @@ class StaticRows:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """[B] the rows' lengths: a view of the cache's own tensor, changed in place by every keep."""
+        """[B] the rows' lengths: a view of the cache's own tensor, changed in place by every keep (inside a step,
+        `_padded_rows`, the bucket's rows)."""
         return self._lengths[: self.batch]
+
+    @contextmanager
+    def _padded_rows(self):
+        """While a step runs on the batch's row bucket (`step_rows`): the cache acts as a batch of that many rows,
+        the padding ones (spare rows [batch, bucket)) emptied first (length 0), so that they see and write only
+        slots [0, S) of their own rows, which no row owns. Yields (the batch's rows, the bucket's)."""
+        b = self.batch
+        rows = step_rows(b, self._lengths.shape[0])
+        self._lengths[b:rows] = 0
+        self.batch = rows
+        try:
+            yield b, rows
+        finally:
+            self.batch = b
 
     def buffers(self) -> list[torch.Tensor]:
         return [*self.keys, *self.values, self._lengths]
@@ -261,10 +316,11 @@ class StaticKV(StaticRows):
         """`eagle_core.decoding.plain_step` on this cache: token [B] -> (next token [B], aux [B, 1, 3H] or None),
         through the compiled step when `StaticConfig.compile` is set."""
         self._reserve(1)
-        with our_attention(self.target.model):
-            out = self._plain(token, sampling, seeds, tuple(aux_layer_ids or ()))
+        with self._padded_rows() as (b, rows), our_attention(self.target.model):
+            out, aux = self._plain(pad_rows(token, rows), sampling, _padded_seeds(seeds, rows, token.device),
+                                   tuple(aux_layer_ids or ()))
         self.width += 1
-        return out
+        return out[:b], None if aux is None else aux[:b]
 
     @torch.no_grad()  # decoding: no autograd graph through the buffers, whatever the caller's mode
     def verify(self, tree, sampling: SamplingConfig, seeds, aux_layer_ids: list[int] | None,
@@ -272,14 +328,16 @@ class StaticKV(StaticRows):
         """One tree round's target work in one step: the forward over the flattened tree, acceptance (on every
         node's logits: `accept`) and the keep of the accepted path. levels: at least the tree's depth + 1, at most
         its size (the accepted path's width, known on the host: nothing is read back from the device). The tree is
-        padded to its `WIDTH_BUCKETS` width (`padded_tree`). Returns (acceptance, aux [B, N, 3H] or None)."""
+        padded to its `WIDTH_BUCKETS` width and the batch to its `ROW_BUCKETS` rows (`padded_tree`). Returns
+        (acceptance, aux [B, N, 3H] or None)."""
         n = tree.size
-        padded = padded_tree(tree, verify_width(n))
-        self._reserve(padded.size)
-        with our_attention(self.target.model):
-            acc, aux = self._verify(padded, sampling, seeds, tuple(aux_layer_ids or ()), levels)
+        self._reserve(verify_width(n))
+        with self._padded_rows() as (b, rows), our_attention(self.target.model):
+            padded = padded_tree(tree, verify_width(n), rows)
+            acc, aux = self._verify(padded, sampling, _padded_seeds(seeds, rows, tree.tokens.device),
+                                    tuple(aux_layer_ids or ()), levels)
         self.width += levels
-        return acc, None if aux is None else aux[:, :n]
+        return _first_rows(acc, b), None if aux is None else aux[:b, :n]
 
     # ---- device work: tensors of fixed shapes only (what a compiled step traces) --------------------------------
 
@@ -349,12 +407,14 @@ class StaticDraftKV(StaticRows):
     def draft_tree(self, draft, root_hidden: torch.Tensor, root: torch.Tensor, tree: TreeConfig) -> Tree:
         """`eagle_core.tree.draft_tree` on this cache, the whole loop (levels, top-k, rerank, ancestor matrix) one
         step of fixed shapes: the slots of every level are reserved here, so nothing in it reads the host's
-        bookkeeping or the device; compiled where `StaticConfig.compile` says. The levels are dropped after."""
+        bookkeeping or the device; compiled where `StaticConfig.compile` says; on the batch's `ROW_BUCKETS` rows
+        (`_padded_rows`). The levels are dropped after."""
         self._reserve((tree.depth - 1) * tree.top_k)
         self.reserved = True
         try:
-            with torch.no_grad():
-                return self._grow(draft, self, root_hidden, root, tree, 0)
+            with torch.no_grad(), self._padded_rows() as (b, rows):
+                grown = self._grow(draft, self, pad_rows(root_hidden, rows), pad_rows(root, rows), tree, 0)
+            return _first_rows(grown, b)
         finally:
             self.reserved, self.pending = False, 0
 

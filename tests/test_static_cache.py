@@ -8,8 +8,9 @@
   while every buffer of both caches keeps its `data_ptr()`;
 * garbage in the slots no row owns changes no token;
 * the plain step, the verify step and the draft loop trace whole (`torch.compile(fullgraph=True)`: one graph
-  each, no break) and compile once; trees of one width bucket share a graph; compiled steps keep today's tokens
-  through mode switches and rows leaving and joining;
+  each, no break) and compile once; trees of one width bucket share a graph, and so do batches of one row bucket
+  (rows leaving and joining within it); compiled steps keep today's tokens through mode switches and rows leaving
+  and joining; padding rows change no token of the real rows;
 * what does not fit is refused before anything is written, and a batch decodes on eagerly past it (one log
   line); families it lacks are refused by name; `bench.gpu --tiny` times it and checks its tokens.
 """
@@ -24,7 +25,7 @@ from eagle_core.decoding import DecodingState, plain_step, prefill
 from eagle_core.families import UnsupportedTarget
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV, lm_logits
-from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV
+from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV, _first_rows
 from eagle_core.tree import TreeConfig, _grow, tree_from_parents
 from eagle_core.verify import SamplingConfig, accept, verify_hidden
 
@@ -97,8 +98,9 @@ def decode(target, draft, prompts, sampling, modes, static=None, join=None, leav
     out = {i: list(t) for i, t in zip(rows, step.tokens)}
     for r, mode in enumerate(modes):
         if r == leave:
-            state.select_rows_([0, 2])
-            rows = [0, 2]
+            keep = [i for i in range(len(rows)) if i != 1]
+            state.select_rows_(keep)
+            rows = [rows[i] for i in keep]
         if r == 3 and join:
             new, joined = DecodingState.prefill(target, draft, join, sampling, tree, seeds[first:], static=static)
             state.merge_(new)
@@ -152,7 +154,8 @@ def test_every_family_it_claims_decodes_todays_tokens(name):
 def test_the_static_draft_cache_grows_the_same_trees(kind):
     """The draft's cache changes no token whatever it holds (acceptance is lossless), so it is held against the
     eager `DraftKV` directly: every round drafts the same tree (tokens, parents) from the same draft hidden state,
-    and the rows' committed draft entries are the same, through catch-ups, tree levels and keeps."""
+    and the rows' committed draft entries are the same, through catch-ups, tree levels and keeps. The batch of 3
+    drafts on 4 rows (a padding row: `ROW_BUCKETS`)."""
     if kind == "diverse":
         target = tiny_family_model("llama")
         draft, prompts = random_draft(target, 256), random_prompts(3, 256, lo=10, hi=20, seed=1)
@@ -161,7 +164,7 @@ def test_the_static_draft_cache_grows_the_same_trees(kind):
         draft, prompts = echo_draft(target), random_prompts(3, 512, seed=5)
     tree = TreeConfig(3, 4, 10)
     eager, static = (DecodingState.prefill(target, draft, prompts, GREEDY, tree, static=config)[0]
-                     for config in (None, StaticConfig(capacity=256, bucket=16)))
+                     for config in (None, StaticConfig(capacity=256, bucket=16, rows=4)))  # steps on 4 rows
     for mode in MODES:
         steps = [state.step(mode) for state in (eager, static)]
         if mode != "plain":
@@ -234,8 +237,9 @@ def test_rows_leave_and_join_in_place_and_no_buffer_moves(sampling):
 @torch.inference_mode()
 def test_garbage_in_unused_slots_changes_no_token():
     """Before every round, every slot no row owns (past each row's length, and the spare rows) of the target's and
-    the draft's caches is filled with large random values: the masks never let a query see them, so the tokens
-    stay today's."""
+    the draft's caches is filled with large random values, and the spare rows' lengths with random ones: the masks
+    never let a query see them, and the padding row the batch of 3 steps with (4 rows, `ROW_BUCKETS`) starts
+    empty, so the tokens stay today's."""
     target = tiny_family_model("qwen2-window")  # full and sliding layers: both kinds of mask
     prompts = random_prompts(3, 256, lo=10, hi=20, seed=1)
     draft = random_draft(target, 256)
@@ -249,6 +253,7 @@ def test_garbage_in_unused_slots_changes_no_token():
                 unused = torch.arange(buf.shape[2])[None, :] >= lengths[:, None]  # [rows, capacity]
                 noise = torch.randn(buf.shape, generator=g, dtype=buf.dtype) * 1e3
                 buf.copy_(torch.where(unused[:, None, :, None], noise, buf))
+            kv._lengths[kv.batch:] = torch.randint(0, kv.config.capacity + 1, (len(lengths) - kv.batch,), generator=g)
 
     eager = decode(target, draft, prompts, GREEDY, MODES)
     assert decode(target, draft, prompts, GREEDY, MODES, StaticConfig(capacity=128, rows=5), between=garbage) == eager
@@ -354,20 +359,59 @@ def test_trees_of_one_width_bucket_share_one_compiled_verify():
 @torch.inference_mode()
 def test_compiled_steps_give_todays_tokens_through_mode_switches_and_rows_leaving_and_joining():
     """`StaticConfig.compile` with fullgraph=True (a graph break anywhere would raise): plain, tree and chain rounds
-    mixed, row 1 leaving, two rows joining. One graph per step and shape: plain, the tree's and the chain's verify
-    and draft loop, each at the batch sizes it ran at (and the capacity buckets it crossed): 10 here. Greedy only
-    (tens of seconds of tracing on 2 cores); the compiled sampled steps are checked above."""
+    mixed, a batch of 4 rows where row 1 leaves after the first round (a tree and a plain round on 3 rows) and a row
+    joins before the fourth. Every step runs on the batch's `ROW_BUCKETS` rows, 4 throughout, and attention reads
+    one width (bucket = capacity): one graph per step, compiled once, whatever the rows in use: plain, the tree's
+    and the chain's verify and draft loop, 5. Greedy only (seconds of tracing on 2 cores); the compiled sampled
+    steps are checked above."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     target = damped_tiny_llama(0.8, seed=3)
     draft, prompts = echo_draft(target), random_prompts(5, 512, seed=5)
-    eager = decode(target, draft, prompts, GREEDY, MODES, join=prompts[3:], leave=2)
-    compiled = StaticConfig(capacity=256, rows=4, compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
-    with torch._dynamo.config.patch(recompile_limit=16):
-        assert decode(target, draft, prompts, GREEDY, MODES, compiled, prompts[3:], 2) == eager
-    assert 5 <= counters["stats"]["unique_graphs"] <= 15
+    eager = decode(target, draft, prompts, GREEDY, MODES, join=prompts[4:], leave=1)
+    compiled = StaticConfig(capacity=256, rows=4, bucket=256,
+                            compile=lambda f: torch.compile(f, fullgraph=True, backend="eager"))
+    assert decode(target, draft, prompts, GREEDY, MODES, compiled, prompts[4:], 1) == eager
+    assert counters["stats"]["unique_graphs"] == 5
+
+
+@torch.inference_mode()
+def test_padding_rows_change_no_token_of_the_real_rows():
+    """A batch of 3 rows steps on 4 (`ROW_BUCKETS`): its plain step and its verify (seeded sampling) give the real
+    rows the tokens, acceptance, features and cache entries they get when row 3 is a real row with its own prompt and
+    ids, though the padding row holds garbage entries and a garbage length before each step."""
+    target = tiny_family_model("llama")
+    prompts, aux_ids = random_prompts(4, 256, lo=10, hi=20, seed=1), [1, 2, 3]
+    kv = StaticKV(target, 4, StaticConfig(capacity=64, bucket=64))
+    logits, _, _, _ = prefill(target, kv, prompts, aux_ids)
+    snapshot, width = [t.clone() for t in kv.buffers()], kv.width
+    token, seeds = logits.argmax(-1), torch.tensor([5, 6, 7, 8])
+    tree = random_tree(4, 9, 256, torch.Generator().manual_seed(0))
+    levels = int(tree.depth.max()) + 1
+
+    def run(b: int):
+        for buf, saved in zip(kv.buffers(), snapshot):
+            buf.copy_(saved)
+        kv.batch, kv.width = 4, width
+        kv.select_rows_(torch.arange(b))
+        outs = []
+        for step in ("plain", "verify"):
+            if b < 4:  # the padding row: garbage entries, a garbage length
+                for buf in (*kv.keys, *kv.values):
+                    buf[3].normal_(0, 1e3)
+                kv._lengths[3] = 64
+            if step == "plain":
+                outs += kv.plain_step(token[:b], SAMPLED, seeds[:b], aux_ids)
+            else:
+                acc, aux = kv.verify(_first_rows(tree, b), SAMPLED, seeds[:b], aux_ids, levels)
+                outs += [acc.path, acc.accept_length, acc.bonus, aux]
+        return outs + [t[:3, :, : kv.width] for t in (*kv.keys, *kv.values)] + [kv.lengths[:3]]
+
+    alone, padded = run(4), run(3)
+    for mine, theirs in zip(padded, alone):
+        assert torch.equal(mine, theirs[:3])
 
 
 def test_the_gpu_benchmark_times_the_static_path_and_checks_its_tokens(tmp_path):
