@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from eagle_core.draft import Eagle3Draft, repeat_kv
 from eagle_core.recipe import REFERENCE
 from eagle_core.teacher import target_distribution
-from eagle_core.ttt_batch import check_batch, document_starts, step_mask
+from eagle_core.ttt_batch import check_batch, document_starts, step_counts, step_mask
 from eagle_core.ttt_ops import block_first_keys, compute_dtype, soft_cross_entropy, ttt_attention
 
 
@@ -290,31 +291,51 @@ def batch_to(batch: dict, device) -> dict:
     return {k: move(v) for k, v in batch.items()}
 
 
-def train_step(draft, batch: dict, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig,
-               forward=None) -> dict:
+def train_step(draft, batch, target_lm_head_weight, optimizer, scheduler, cfg: TrainConfig, forward=None,
+               prepare=None, gradient_sync=None) -> dict:
     """One optimisation step on a batch {input_ids, loss_mask, aux_hidden, last_hidden[, attention_mask, position_ids,
-    targets, step_denominators]} (`eagle_core.ttt_batch`).
+    targets, step_denominators]} (`eagle_core.ttt_batch`), or on a list of micro-batches (gradient accumulation).
+
+    Micro-batches are forwarded and backwarded one after the other, their gradients summed, then one optimiser step:
+    only one micro-batch's activations (and teacher, when `prepare` computes it) are alive at a time. Every
+    micro-batch's losses are divided by the whole step's position counts (`step_denominators`; computed here over the
+    micro-batches when they do not carry them), so the step equals the step on their union, up to float rounding.
+    `prepare(micro_batch)` runs just before its forward (e.g. the move to the device and the teacher).
 
     `forward` (default `ttt_forward`, same signature) lets a distributed caller route the loss through its
-    DDP/FSDP wrapper (gradient sync needs the wrapper's forward) and autocast; the step itself stays here.
-    A batch that does not fit the draft is refused first (`check_batch`), before the weights move.
+    DDP/FSDP wrapper (gradient sync needs the wrapper's forward) and autocast; `gradient_sync(last)` is the
+    wrapper's context for a backward (syncing gradients only for the last micro-batch). The step itself stays here.
+    A micro-batch that does not fit the draft is refused first (`check_batch`), before the weights move.
     """
-    check_batch(draft, batch, target_lm_head_weight, contents=False)
+    micro = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    if not micro:
+        raise ValueError("train_step needs a batch")
+    if len(micro) > 1 and any(b.get("step_denominators") is None for b in micro):
+        K = cfg.ttt_steps or draft.config.ttt_steps
+        counts = sum(step_counts(b, K).double().cpu() for b in micro).clamp(min=1).float()
+        micro = [{**b, "step_denominators": counts} for b in micro]
     draft.train()
-    out = (forward or ttt_forward)(
-        draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
-        target_lm_head_weight, attention_mask=batch.get("attention_mask"), ttt_steps=cfg.ttt_steps,
-        step_decay=cfg.step_decay, noise=cfg.noise, targets=batch.get("targets"),
-        step_denominators=batch.get("step_denominators"), position_ids=batch.get("position_ids"))
     optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
+    parts, tokens = [], 0
+    for i, b in enumerate(micro):
+        b = prepare(b) if prepare is not None else b
+        check_batch(draft, b, target_lm_head_weight, contents=False)
+        with gradient_sync(i == len(micro) - 1) if gradient_sync is not None else nullcontext():
+            out = (forward or ttt_forward)(
+                draft, b["input_ids"], b["loss_mask"], b["aux_hidden"], b["last_hidden"], target_lm_head_weight,
+                attention_mask=b.get("attention_mask"), ttt_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+                noise=cfg.noise, targets=b.get("targets"), step_denominators=b.get("step_denominators"),
+                position_ids=b.get("position_ids"))
+            out.loss.backward()
+        parts.append(TTTOutput(out.loss.detach(), out.step_losses, out.step_accuracies, out.step_counts))
+        tokens += int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+        del out, b  # the micro-batch's graph and teacher go before the next one's
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)
     optimizer.step()
     scheduler.step()
-    metrics = out.metrics()
-    metrics.update(grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0],
-                   tokens=int(batch["attention_mask"].sum()) if "attention_mask" in batch
-                   else batch["input_ids"].numel())
+    metrics = (parts[0] if len(parts) == 1 else TTTOutput(*(sum(f) for f in zip(
+        *[(o.loss, o.step_losses, o.step_accuracies, o.step_counts) for o in parts])))).metrics()
+    metrics.update(grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0], tokens=tokens)
     return metrics
 
 

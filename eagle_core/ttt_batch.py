@@ -39,18 +39,29 @@ def step_mask(loss_mask, column_mask, length: int, k: int, starts=None):
     return mask
 
 
+def step_counts(batch: dict, ttt_steps: int) -> torch.Tensor:
+    """[K] loss positions of each TTT step in this batch: those `ttt_forward` counts (`step_mask`: loss_mask[t+k+2]
+    at a real column t, of t's conversation in a packed batch)."""
+    real = batch["attention_mask"]
+    mask = batch["loss_mask"].float() * real
+    positions = batch.get("position_ids")
+    starts = None if positions is None else document_starts(positions)
+    return torch.stack([step_mask(mask, real, mask.shape[1], k, starts).sum() for k in range(ttt_steps)])
+
+
 # ---------------------------------------------------------------------------------------------------
 # packing
 
 
-def refuse_longer_than_row(lengths: list[int], pack_length: int, names: list | None = None) -> None:
-    """BadBatch naming the conversations (`names[i]`, else their index) longer than a packed row: cutting one would
-    train its second part without the context of its first. The training driver calls it on the plan's lengths,
-    before any worker starts; `pack_rows` on every batch it packs."""
+def refuse_longer_than_row(lengths: list[int], pack_length: int, names: list | None = None,
+                           within: str = "a packed row", option: str = "pack_length") -> None:
+    """BadBatch naming the conversations (`names[i]`, else their index) longer than a packed row (or `within`, set by
+    `option`: a micro-batch): cutting one would train its second part without the context of its first. The
+    training driver calls it on the plan's lengths, before any worker starts; `pack_rows` on every batch it packs."""
     too_long = [(names[i] if names is not None else i, n) for i, n in enumerate(lengths) if n > pack_length]
     if too_long:
         raise BadBatch(f"conversation(s) {too_long[:5]} (name, tokens){' and more' if len(too_long) > 5 else ''} are "
-                       f"longer than a packed row of {pack_length} tokens: raise pack_length or "
+                       f"longer than {within} of {pack_length} tokens: raise {option} or "
                        "drop them at extraction (max_length)")
 
 

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence packing: several conversations per row of this many tokens (longest: each step's "
                    "longest conversation), attention and TTT steps kept inside each; none: one conversation per "
                    "row, right-padded")
+    t.add_argument("--micro-batch-tokens", type=int, default=d.micro_batch_tokens, metavar="TOKENS",
+                   help="gradient accumulation: each worker runs its share of a step in micro-batches of at most this "
+                   "many tokens, gradients summed before the step (same batch and trajectory, less activation "
+                   "memory; default: one forward per worker and step)")
     t.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time-test steps")
     t.add_argument("--step-decay", type=float, default=d.step_decay, help="TTT step k's loss weight is decay**k")
     t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
@@ -172,7 +176,8 @@ def dry_run_plan(args: dict, target: str, recipe, shape, gpu_memory_gib: float):
 
     train = {"epochs": args["epochs"], "eval_fraction": args["eval_fraction"],
              "tokens_per_batch": args["tokens_per_batch"], "max_steps": args["max_steps"],
-             "pack_length": args["pack_length"]}
+             "pack_length": args["pack_length"], "micro_batch_tokens": args["micro_batch_tokens"],
+             "train_workers": args["num_workers"], "strategy": args["strategy"]}
     if args["features"] is None and args["corpus"] is None:
         return plan_without_data(job="train", target=target, recipe=recipe, shape=shape, dtype=args["dtype"],
                                  num_workers=args["extract_workers"], gpus_per_worker=args["gpus_per_extract_worker"],

@@ -137,6 +137,9 @@ class RunPlan:
     tokens_per_batch: int | None = None
     max_steps: int | None = None
     pack_length: int | str | None = None  # training: packed rows of this many tokens, "longest" or None (one per row)
+    micro_batch_tokens: int | None = None  # training: each worker's share of a step in micro-batches of this many tokens
+    train_workers: int = 1  # training: Ray Train workers (data parallel)
+    strategy: str = "ddp"
     streaming: bool = False
     recipe_max_length: int = 0  # the max length in force (rows are cut there when counted)
     has_data: bool = True  # False: a plan for target and recipe alone
@@ -224,6 +227,11 @@ class RunPlan:
                 rows = "one conversation per row, right-padded to the step's longest"
             out.append(f"{tag} rows: {rows}" + (" (--pack-length; attention kept inside each conversation)"
                                                 if self.pack_length else " (--pack-length none)"))
+            share = f"~{self.tokens_per_batch // self.train_workers:,} tokens" if self.tokens_per_batch else "its share"
+            how = ("in one forward and backward (--micro-batch-tokens splits it)" if self.micro_batch_tokens is None
+                   else f"in micro-batches of at most {self.micro_batch_tokens:,} tokens, gradients summed before the "
+                   "step (--micro-batch-tokens: the same step in less activation memory)")
+            out.append(f"{tag} workers: {self.train_workers} ({self.strategy}), each runs {share} of a step {how}")
         out += [f"{tag} note: {a}" for a in self.advice()]
         return out
 

@@ -135,9 +135,12 @@ def test_two_unpacked_workers_follow_the_packed_single_worker_trajectory(feature
     test_train_packing.py), in one run: two workers with one conversation per row follow the single-worker run,
     which packs (the default, rows of each step's longest conversation): the same loss and step-0 accuracy curves
     and the same draft. (Two runs checked the two apart until the suite had to fit 15 minutes: a two-worker packed
-    run, and this one. A mistake in either the split over ranks or the packing shows here, unless the two cancel.)"""
+    run, and this one. A mistake in either the split over ranks or the packing shows here, unless the two cancel.)
+    The two workers run with micro_batch_tokens: with these 62-64-token conversations, one each per step, so the
+    micro-batch plan agrees over the ranks through Ray Train's process group but nothing splits; the split and the
+    accumulation are checked in test_train_packing.py and in the two-process test below."""
     assert job(features, tmp_path).pack_length == "longest"  # what the `clean` run packed with
-    two = run_train(job(features, tmp_path / "two", num_workers=2, pack_length=None))
+    two = run_train(job(features, tmp_path / "two", num_workers=2, pack_length=None, micro_batch_tokens=64))
     assert two["total_steps"] == clean["total_steps"] >= 8
     for key in STEPS_COMPARED:
         one_curve, two_curve = history(clean["mlflow_run_id"], key), history(two["mlflow_run_id"], key)
@@ -239,8 +242,11 @@ def test_mlflow_run_holds_params_metrics_model_and_version(features, clean, peak
     assert draft.config.extra["features_mlflow_run_id"] == manifest.mlflow_run_id
 
 
-def _fsdp_rank(rank: int, world: int, out: str) -> None:
-    """One process of the FSDP check: 5 train_steps on its share of a fixed global batch."""
+def _data_parallel_rank(rank: int, world: int, out: str) -> None:
+    """One process of the data-parallel check: 5 train_steps on its share of a fixed global batch, under FSDP2 and
+    under DDP (one draft each, the same initial weights); with two processes each rank runs its share in two
+    micro-batches (gradient accumulation, syncing on the last: `gradient_sync`), rank 1's second one a dummy row as
+    `loop.rank_batches` pads a rank with fewer micro-batches than the fullest."""
     import pickle
 
     import torch.distributed as dist
@@ -249,56 +255,72 @@ def _fsdp_rank(rank: int, world: int, out: str) -> None:
     from eagle_core.target import make_tiny_llama
     from eagle_core.teacher import with_targets
     from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step
-    from pipelines.train import TTTObjective, all_reduce, full_state, step_counts, wrap_objective
+    from eagle_core.ttt_batch import step_counts
+    from pipelines.train import TTTObjective, all_reduce, collate, full_state, wrap_objective
+    from pipelines.train.model import gradient_sync
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     target = make_tiny_llama()
-    torch.manual_seed(0)
-    draft = Eagle3Draft.from_target(target, draft_vocab_size=128, ttt_steps=2)
     cpu = torch.device("cpu")
-    objective = wrap_objective(TTTObjective(draft, autocast=False), "fsdp", world, cpu)
-    cfg = TrainConfig(lr=1e-2, total_steps=5, ttt_steps=2)
-    optimizer = make_optimizer(draft, cfg)
-    scheduler = make_scheduler(optimizer, cfg)
     g = torch.Generator().manual_seed(1)
     B, L = 4, 12
     full = dict(input_ids=torch.randint(0, 512, (B, L), generator=g), loss_mask=(torch.rand(B, L, generator=g) > 0.3).long(),
                 attention_mask=torch.ones(B, L, dtype=torch.long), aux_hidden=torch.randn(B, L, 192, generator=g),
                 last_hidden=torch.randn(B, L, 64, generator=g))
+    if world == 1:
+        shares = [full]
+    else:  # rank 0: rows 0 and 2 apart; rank 1: rows 1 and 3 together, then a dummy row
+        dummy = collate([], {"target_hidden_size": 64, "dtype": "float32"}, 2, cpu)
+        shares = ([{k: v[i:i + 1] for k, v in full.items()} for i in (0, 2)] if rank == 0 else
+                  [{k: v[1::2] for k, v in full.items()}, dummy])
     head = target.lm_head.weight
-    losses = []
-    for _ in range(5):
-        batch = with_targets({k: v[rank::world] for k, v in full.items()}, head, draft.d2t)
-        batch["step_denominators"] = (all_reduce(step_counts(batch, 2).double(), cpu) / world).float()
-        metrics = train_step(draft, batch, head, optimizer, scheduler, cfg, forward=lambda _d, *a, **k: objective(*a, **k))
-        losses.append(float(all_reduce(torch.tensor([metrics["loss"]]), cpu)) / world)
-    model, _ = full_state(draft, objective, optimizer, world > 1)
+    results = {}
+    for strategy in ("fsdp", "ddp"):
+        torch.manual_seed(0)
+        draft = Eagle3Draft.from_target(target, draft_vocab_size=128, ttt_steps=2)
+        objective = wrap_objective(TTTObjective(draft, autocast=False), strategy, world, cpu)
+        cfg = TrainConfig(lr=1e-2, total_steps=5, ttt_steps=2)
+        optimizer = make_optimizer(draft, cfg)
+        scheduler = make_scheduler(optimizer, cfg)
+        losses = []
+        for _ in range(5):
+            micro = [with_targets(share, head, draft.d2t) for share in shares]
+            counts = all_reduce(sum(step_counts(b, 2).double() for b in micro), cpu)
+            for b in micro:
+                b["step_denominators"] = (counts / world).float()
+            metrics = train_step(draft, micro, head, optimizer, scheduler, cfg,
+                                 forward=lambda _d, *a, **k: objective(*a, **k),
+                                 gradient_sync=lambda last: gradient_sync(objective, last))
+            losses.append(float(all_reduce(torch.tensor([metrics["loss"]]), cpu)) / world)
+        model, _ = full_state(draft, objective, optimizer, strategy == "fsdp" and world > 1)
+        results[strategy] = (losses, {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()
+                                      if k not in ("embed_tokens.weight", "d2t", "t2d")})
     if rank == 0:
-        weights = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items() if k not in
-                   ("embed_tokens.weight", "d2t", "t2d")}
         with open(out, "wb") as f:
-            pickle.dump((losses, weights), f)
+            pickle.dump(results, f)
     dist.destroy_process_group()
 
 
-def test_fsdp_over_two_processes_follows_one_process(tmp_path):
-    """FSDP2 (gloo, CPU) on a global batch split in two == one process on all of it; gathered weights agree."""
+def test_data_parallel_over_two_processes_in_micro_batches_follows_one_process(tmp_path):
+    """FSDP2 and DDP (gloo, CPU) on a global batch split in two, each rank's share in two micro-batches (one of them
+    a dummy row), == one process on all of it in one batch: the same losses, gathered weights agree."""
     import pickle
 
     import torch.multiprocessing as mp
 
     results = {}
     for world in (1, 2):
-        out = tmp_path / f"fsdp-{world}.pkl"
-        mp.start_processes(_fsdp_rank, args=(world, str(out)), nprocs=world, start_method="spawn")
+        out = tmp_path / f"dp-{world}.pkl"
+        mp.start_processes(_data_parallel_rank, args=(world, str(out)), nprocs=world, start_method="spawn")
         results[world] = pickle.loads(out.read_bytes())
-    (one_losses, one), (two_losses, two) = results[1], results[2]
-    assert torch.allclose(torch.tensor(one_losses), torch.tensor(two_losses), rtol=1e-5)
-    assert one_losses[-1] < one_losses[0]
-    for name in one:
-        assert torch.allclose(torch.from_numpy(one[name]), torch.from_numpy(two[name]), atol=1e-4), name
+    for strategy in ("fsdp", "ddp"):
+        (one_losses, one), (two_losses, two) = results[1][strategy], results[2][strategy]
+        assert torch.allclose(torch.tensor(one_losses), torch.tensor(two_losses), rtol=1e-5), strategy
+        assert one_losses[-1] < one_losses[0]
+        for name in one:
+            assert torch.allclose(torch.from_numpy(one[name]), torch.from_numpy(two[name]), atol=1e-4), (strategy, name)
 
 
 # ---------------------------------------------------------------------------------------------------

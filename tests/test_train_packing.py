@@ -11,12 +11,12 @@ import torch
 from eagle_core.capture import capture_features
 from eagle_core.draft import Eagle3Draft
 from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, ttt_forward
-from eagle_core.ttt_batch import BadBatch, check_batch
+from eagle_core.ttt_batch import BadBatch, check_batch, step_counts
 from eagle_core.vocab import build_vocab_mapping
 from pipelines.feature_files import encode_hidden
-from pipelines.train.batches import collate, decode_row, step_counts
+from pipelines.train.batches import collate, decode_row
 from pipelines.train.config import TrainJobConfig
-from pipelines.train.loop import rank_batch, train_one_step
+from pipelines.train.loop import rank_batches, train_one_step
 from pipelines.train.model import TTTObjective
 from pipelines.train.plan import make_plan
 
@@ -42,7 +42,7 @@ def _feature_rows(target, lengths=LENGTHS, seed=0):
 META = {"target_hidden_size": 64, "dtype": "float32"}
 
 
-def _run(target, pack_length, device="cpu"):
+def _run(target, pack_length, device="cpu", micro_batch_tokens=None):
     """The fields of loop.Run that a step reads, as `setup` makes them (bf16 autocast on CUDA)."""
     torch.manual_seed(0)
     d2t, t2d = build_vocab_mapping(torch.randint(0, 100, (target.config.vocab_size,)), 96)
@@ -50,7 +50,8 @@ def _run(target, pack_length, device="cpu"):
     tcfg = TrainConfig(lr=1e-3, total_steps=4, ttt_steps=K)
     optimizer = make_optimizer(draft, tcfg)
     objective = TTTObjective(draft, autocast=device == "cuda")
-    return SimpleNamespace(config=TrainJobConfig(features="x", ttt_steps=K, pack_length=pack_length), meta=META,
+    return SimpleNamespace(config=TrainJobConfig(features="x", ttt_steps=K, pack_length=pack_length,
+                                                 micro_batch_tokens=micro_batch_tokens), meta=META,
                            tcfg=tcfg, device=torch.device(device), world=1, draft=draft, objective=objective,
                            teacher=objective.teacher, head=target.get_output_embeddings().weight.detach().to(device),
                            optimizer=optimizer, scheduler=make_scheduler(optimizer, tcfg))
@@ -63,13 +64,36 @@ def test_a_packed_step_of_the_loop_trains_as_one_conversation_per_row(tiny_targe
     accuracies (float32, 1e-5 relative), tokens and gradient norm; in fewer rows."""
     rows = _feature_rows(tiny_target)
     packed, plain = _run(tiny_target, pack_length), _run(tiny_target, "none")
-    assert rank_batch(packed, rows)["input_ids"].shape == rows_shape
-    assert rank_batch(plain, rows)["input_ids"].shape == (7, 16)
+    (packed_batch,), (plain_batch,) = rank_batches(packed, rows), rank_batches(plain, rows)
+    assert packed_batch["input_ids"].shape == rows_shape and plain_batch["input_ids"].shape == (7, 16)
     a, b = train_one_step(packed, rows), train_one_step(plain, rows)
     for key in ["loss", "grad_norm"] + [f"loss_{k}" for k in range(K)]:
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
     for key in ["tokens"] + [f"acc_{k}" for k in range(K)]:
         assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("micro_batch_tokens, sizes", [(16, [16, 16, 16, 8]), (30, [28, 28])])
+def test_a_step_in_micro_batches_trains_as_the_whole_step(tiny_target, micro_batch_tokens, sizes):
+    """Gradient accumulation (`micro_batch_tokens`): train_one_step with the rank's 7 conversations (56 tokens) in
+    micro-batches of at most 16 or 30 tokens, packed, each forwarded and backwarded alone, equals the step on one batch
+    of them: loss, per-step losses and accuracies, gradient norm (float32, 1e-5 relative), tokens, and the summed
+    gradient every weight was stepped with."""
+    rows = _feature_rows(tiny_target)
+    micro, whole = _run(tiny_target, "longest", micro_batch_tokens=micro_batch_tokens), _run(tiny_target, "longest")
+    assert [int(b["attention_mask"].sum()) for b in rank_batches(micro, rows)] == sizes
+    a, b = train_one_step(micro, rows), train_one_step(whole, rows)
+    for key in ["loss", "grad_norm"] + [f"loss_{k}" for k in range(K)] + [f"acc_{k}" for k in range(K)]:
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    assert a["tokens"] == b["tokens"] == sum(LENGTHS)
+    grads = {n: p.grad for n, p in whole.draft.named_parameters() if p.grad is not None}
+    assert len(grads) > 3
+    for name, param in micro.draft.named_parameters():
+        if name in grads:
+            scale = float(grads[name].abs().max())
+            torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
+    with pytest.raises(ValueError, match="micro_batch_tokens must be a positive number of tokens"):
+        TrainJobConfig(features="x", micro_batch_tokens=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the loop's low-precision teacher")
@@ -120,10 +144,13 @@ def test_the_plan_refuses_a_conversation_longer_than_the_packed_row_by_name():
         make_plan(rows[:2], rows[2:], config, world=2)
     for fits_all in ("longest", None):  # rows as long as each step's longest, or one per row: no limit
         make_plan(rows, [], TrainJobConfig(features="x", tokens_per_batch=100, pack_length=fits_all), world=2)
+    config = TrainJobConfig(features="x", tokens_per_batch=100, micro_batch_tokens=64)  # nor longer than a micro-batch
+    with pytest.raises(BadBatch, match=r"\('c1', 80\).*longer than a micro-batch of 64 tokens: raise micro_batch_tok"):
+        make_plan(rows, [], config, world=2)
 
 
 def test_the_loop_refuses_a_bad_batch_before_its_step(tiny_target):
-    """A rank's rows with a conversation that has nothing to learn: rank_batch refuses it (on the CPU) and
+    """A rank's rows with a conversation that has nothing to learn: rank_batches refuses it (on the CPU) and
     train_one_step does not move a weight."""
     rows = _feature_rows(tiny_target, [9, 6])
     rows[1]["loss_mask"] = [1, 1, 0, 0, 0, 0]
@@ -164,3 +191,8 @@ def test_the_dry_run_says_how_rows_are_laid_out(tiny_target_dir, tmp_path, capsy
     out = capsys.readouterr().out
     assert "[train] rows: several conversations packed into each row of 512 tokens" in out
     assert "more than --pack-length 512: a longer one is refused when the run is planned" in out
+    assert "[train] workers: 1 (ddp), each runs ~" in out and "of a step in one forward and backward" in out
+    assert main(argv + ["--num-workers", "8", "--micro-batch-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "[train] workers: 8 (ddp), each runs ~" in out
+    assert "of a step in micro-batches of at most 4,096 tokens, gradients summed before the step" in out

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "batches": ["collate", "decode_row", "step_counts"],
+    "batches": ["collate", "decode_row"],
     "checkpoint": ["full_state"],
     "collectives": ["all_reduce"],
     "config": ["LM_HEAD_INITS", "STRATEGIES", "FeatureSource", "TrainJobConfig", "feature_sources"],

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
-from eagle_core.ttt_batch import document_starts, layout_batch, step_mask
+from eagle_core.ttt_batch import layout_batch
 from pipelines.train.collectives import all_reduce
 from pipelines.train.shards import EVAL_DATASET, train_dataset_name
 
@@ -150,13 +150,3 @@ def collate(rows: list[dict], meta: dict, ttt_steps: int, device, pack_length: i
     else:
         batch = layout_batch(rows, pack_length, names=[r.get("id") for r in rows])
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def step_counts(batch: dict, ttt_steps: int) -> torch.Tensor:
-    """[K] loss positions of each TTT step in this batch: those `ttt_forward` counts (`step_mask`: loss_mask[t+k+2]
-    at a real column t, of t's conversation in a packed batch)."""
-    real = batch["attention_mask"]
-    mask = batch["loss_mask"].float() * real
-    positions = batch.get("position_ids")
-    starts = None if positions is None else document_starts(positions)
-    return torch.stack([step_mask(mask, real, mask.shape[1], k, starts).sum() for k in range(ttt_steps)])

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from eagle_core.draft import LM_HEAD_INITS, DraftConfig
 from eagle_core.recipe import REFERENCE
 from eagle_core.ttt import TrainConfig
+from eagle_core.ttt_batch import refuse_longer_than_row
 from pipelines.cli import config_from_fields
 
 STRATEGIES = ("ddp", "fsdp")
@@ -79,6 +80,12 @@ class TrainJobConfig:
     # bench/ttt_packing.py). None ("none"): one conversation per row, right-padded to the step's longest. The loss
     # is the same either way (up to float rounding), so it is no part of the training fingerprint: only the layout.
     pack_length: int | str | None = PACK_LONGEST
+    # Gradient accumulation: each rank forwards and backwards its share of a step in micro-batches of at most this
+    # many tokens (conversations first-fit, longest first; every rank runs as many as the fullest rank needs) and
+    # sums their gradients before the one optimiser step: a step of tokens_per_batch in the activation memory of a
+    # micro-batch, on the same trajectory (up to float rounding; the batch is still tokens_per_batch). None: a rank's
+    # share in one forward. A longer conversation is refused when the run is planned.
+    micro_batch_tokens: int | None = None
     ttt_steps: int = DraftConfig.ttt_steps
     step_decay: float = TrainConfig.step_decay
     draft_vocab_size: int = DraftConfig.draft_vocab_size
@@ -107,6 +114,10 @@ class TrainJobConfig:
         if self.lm_head_init not in LM_HEAD_INITS:
             raise ValueError(f"lm_head_init must be one of {LM_HEAD_INITS}, got {self.lm_head_init!r}")
         self.pack_length = parse_pack_length(self.pack_length)
+        if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or not isinstance(
+                self.micro_batch_tokens, int) or self.micro_batch_tokens < 1):
+            raise ValueError(f"micro_batch_tokens must be a positive number of tokens or None, "
+                             f"got {self.micro_batch_tokens!r}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.corpus is not None and self.target is None:
@@ -117,6 +128,13 @@ class TrainJobConfig:
         if self.pack_length == PACK_LONGEST:
             return max(lengths, default=1)
         return self.pack_length
+
+    def refuse_too_long(self, lengths: list[int], names: list) -> None:
+        """BadBatch naming the conversations longer than a packed row or a micro-batch can take (planning time)."""
+        if isinstance(self.pack_length, int):  # "longest" and one per row fit every conversation
+            refuse_longer_than_row(lengths, self.pack_length, names)
+        if self.micro_batch_tokens is not None:
+            refuse_longer_than_row(lengths, self.micro_batch_tokens, names, "a micro-batch", "micro_batch_tokens")
 
     def to_dict(self) -> dict:
         return asdict(self)

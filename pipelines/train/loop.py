@@ -17,15 +17,16 @@ from typing import Callable
 import torch
 
 from eagle_core.ttt import TrainConfig, batch_to, make_optimizer, make_scheduler, train_step
-from eagle_core.ttt_batch import check_batch
-from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row, step_counts
+from eagle_core.ttt_batch import check_batch, pack_rows, step_counts
+from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row
 from pipelines.train.checkpoint import full_state, is_sharded, restore_state, restore_trainer, save_checkpoint
 from pipelines.train.collectives import all_reduce, world_info
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.faults import maybe_fault
 from pipelines.train.lineage import Lineage
 from pipelines.train.metrics import evaluate, global_step_metrics
-from pipelines.train.model import TTTObjective, build_draft, load_target_heads, target_config, wrap_objective
+from pipelines.train.model import (TTTObjective, build_draft, gradient_sync, load_target_heads, target_config,
+                                   wrap_objective)
 from pipelines.train.plan import TrainPlan
 from pipelines.train.report import RankZeroLogger, log_held_out, log_step
 
@@ -145,29 +146,52 @@ def setup(loop_config: dict) -> Run:
 
 
 def train_one_step(run: Run, rows: list[dict]) -> dict:
-    """One optimiser step on this rank's rows of the global batch; the global metrics of the step."""
+    """One optimiser step on this rank's rows of the global batch (in micro-batches when the job says so); the
+    global metrics of the step."""
     started = time.perf_counter()
     K = run.config.ttt_steps
-    # The teacher under the objective's autocast: float32 on a CPU; on CUDA the draft-vocabulary labels from bf16
-    # inputs and the float32 argmax (`eagle_core.teacher.low_precision_teacher`), as bench.ttt measures the step.
-    batch = run.teacher(rank_batch(run, rows), run.head)
-    counts = all_reduce(step_counts(batch, K).double(), run.device)
-    batch["step_denominators"] = (counts.clamp(min=1) / run.world).float()
-    forward = lambda _draft, *a, **k: run.objective(*a, **k)  # noqa: E731  (train_step's hook)
-    local = train_step(run.draft, batch, run.head, run.optimizer, run.scheduler, run.tcfg, forward=forward)
+    micro = rank_batches(run, rows)
+    # Every micro-batch's losses over the whole global step's position counts: the ranks' and micro-batches'
+    # gradients then sum to the gradient of the global batch (see the module docstring).
+    counts = all_reduce(sum(step_counts(b, K).double() for b in micro), run.device)
+    for batch in micro:
+        batch["step_denominators"] = (counts.clamp(min=1) / run.world).float()
+
+    def prepare(batch: dict) -> dict:
+        # On the device just before its forward, with the teacher under the objective's autocast: float32 on a CPU;
+        # on CUDA the draft-vocabulary labels from bf16 inputs and the float32 argmax
+        # (`eagle_core.teacher.low_precision_teacher`), as bench.ttt measures the step.
+        return run.teacher(batch_to(batch, run.device), run.head)
+
+    local = train_step(run.draft, micro, run.head, run.optimizer, run.scheduler, run.tcfg,
+                       forward=lambda _draft, *a, **k: run.objective(*a, **k), prepare=prepare,
+                       gradient_sync=lambda last: gradient_sync(run.objective, last))
     metrics = global_step_metrics(local, K, run.world, run.device)
     metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - started, 1e-9)
     return metrics
 
 
-def rank_batch(run: Run, rows: list[dict]) -> dict:
-    """This rank's rows as a batch on its device (packed when the job says so), refused by name (`check_batch`: shapes,
-    ids, positions, empty loss masks) on the CPU before it moves, so before the step that would use it."""
+def rank_batches(run: Run, rows: list[dict]) -> list[dict]:
+    """This rank's rows of a step (or of a held-out forward) as batches on the CPU: one, or with `micro_batch_tokens`
+    its micro-batches (conversations first-fit, longest first, `pack_rows`; as many on every rank as the fullest
+    rank needs, padded with dummy rows, so every rank runs the same forwards and collectives). Each is packed when
+    the job says so and refused by name (`check_batch`: shapes, ids, positions, empty loss masks) before anything
+    moves to the device, so before the step that would use it."""
     decoded = [decode_row(r, run.meta) for r in rows]
-    batch = collate(decoded, run.meta, run.config.ttt_steps, torch.device("cpu"),
-                    run.config.row_length([len(r["input_ids"]) for r in decoded]))
-    check_batch(run.draft, batch, run.head)
-    return batch_to(batch, run.device)
+    lengths = [len(r["input_ids"]) for r in decoded]
+    groups = [list(range(len(decoded)))]
+    if run.config.micro_batch_tokens is not None:
+        groups = pack_rows(lengths, run.config.micro_batch_tokens, [r.get("id") for r in decoded]) if decoded else []
+        count = all_reduce(torch.tensor([float(len(groups))]), run.device, op="max")
+        groups += [[] for _ in range(max(int(count[0]), 1) - len(groups))]
+    batches = []
+    for group in groups:
+        part = [decoded[i] for i in sorted(group)]  # read order inside a micro-batch
+        batch = collate(part, run.meta, run.config.ttt_steps, torch.device("cpu"),
+                        run.config.row_length([lengths[i] for i in group]))
+        check_batch(run.draft, batch, run.head)
+        batches.append(batch)
+    return batches
 
 
 def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
@@ -185,7 +209,7 @@ def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
 def held_out_eval(run: Run, epoch_data_wait_s: float | None = None) -> dict:
     """Evaluate the draft on this rank's held-out rows (summed over all ranks); log it with the epoch's data wait."""
     K = run.config.ttt_steps
-    batches = (rank_batch(run, rows) for rows in run.batches.held_out())
+    batches = (batch_to(b, run.device) for rows in run.batches.held_out() for b in rank_batches(run, rows))
     metrics = evaluate(run.objective, run.draft, batches, run.head, K, run.config.step_decay, run.device)
     metrics["epoch"] = run.state["epoch"]
     if epoch_data_wait_s is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -198,6 +199,28 @@ class TTTObjective(nn.Module):
         """`batch` plus its target distribution, computed under this objective's autocast."""
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.autocast):
             return with_targets(batch, target_lm_head_weight, self.draft.d2t)
+
+
+@contextmanager
+def gradient_sync(objective, last: bool):
+    """Around a micro-batch's forward and backward: gradients are synced over the ranks only for a step's `last`
+    micro-batch (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`), the others accumulate locally; alone there is
+    nothing to sync. Every rank runs as many micro-batches (`loop.rank_batches`), so the collectives pair up."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if last:
+        yield
+    elif isinstance(objective, DistributedDataParallel):
+        with objective.no_sync():
+            yield
+    elif hasattr(objective, "set_requires_gradient_sync"):  # fully_shard (FSDP2)
+        objective.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            objective.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def wrap_objective(objective: TTTObjective, strategy: str, world: int, device):

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 import fsspec
 import pyarrow.parquet as pq
 
-from eagle_core.ttt_batch import refuse_longer_than_row
 from pipelines.storage import join
 from pipelines.train.config import TrainJobConfig
 
@@ -187,11 +186,11 @@ def make_plan(train_rows: list[dict], eval_rows: list[dict], config: TrainJobCon
     """(the TrainPlan, per rank the plan rows of every epoch [epoch][rank], per rank those of the held-out split).
 
     `weights`: the rows come from several sources (each row's `source`), drawn per epoch by `mix_rows`; None: every
-    training row once per epoch. With packing (`config.pack_length`) a conversation longer than the row is refused
-    here, before any worker starts (BadBatch naming it)."""
-    if isinstance(config.pack_length, int):  # "longest" fits every conversation
-        every = train_rows + eval_rows
-        refuse_longer_than_row([r["length"] for r in every], config.pack_length, [r["id"] for r in every])
+    training row once per epoch. With packing (`config.pack_length`) or micro-batches (`micro_batch_tokens`) a
+    conversation longer than the row or the micro-batch is refused here, before any worker starts (BadBatch naming
+    it)."""
+    every = train_rows + eval_rows
+    config.refuse_too_long([r["length"] for r in every], [r["id"] for r in every])
     drawn = [train_rows if weights is None else mix_rows(train_rows, weights, config.seed, e)
              for e in range(config.epochs)]
     epochs = [pack_batches(epoch_order(rows, config.seed, e), config.tokens_per_batch) for e, rows in enumerate(drawn)]
@@ -228,8 +227,7 @@ def stream_first_pass(config: TrainJobConfig, extract_config, chunk_rows: int = 
                 if m:
                     counts[t] = counts.get(t, 0) + 1
             light.append({"id": cid, "length": len(ids)})
-    if isinstance(config.pack_length, int):  # refused before any worker starts, as in `make_plan`
-        refuse_longer_than_row([r["length"] for r in light], config.pack_length, [r["id"] for r in light])
+    config.refuse_too_long([r["length"] for r in light], [r["id"] for r in light])  # as in `make_plan`
     train, held = split_heldout(light, config.eval_fraction)
     return {"token_counts": counts, "rows": len(light), "tokens": sum(r["length"] for r in light),
             "eval_ids": sorted(r["id"] for r in held), "train_tokens": sum(r["length"] for r in train)}
