@@ -29,7 +29,7 @@ from eagle_core.attention import causal_mask
 from eagle_core.capture import CommittedFeatures, RowFeatures
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex, context_yield
-from eagle_core.static_kv import StaticConfig, StaticDraftKV, StaticKV, verify_width
+from eagle_core.static_kv import ROW_BUCKETS, WIDTH_BUCKETS, StaticConfig, StaticDraftKV, StaticKV, verify_width
 from eagle_core.target import resolve_aux_layer_ids
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
@@ -373,12 +373,20 @@ class DecodingState:
         tokens = [[t] for t in nxt.tolist()]
         return Step("plain", tokens, None, 0.0, self.timer.seconds(t0, self.timer.mark()))
 
-    def _room_for(self, tokens: int, draft_tokens: int = 0) -> None:
+    def _room_for(self, tokens: int, draft_tokens: int = 0, rows: int | None = None) -> None:
         """Static caches without room for a round's new entries past the committed ones (`tokens` in the target's,
-        `draft_tokens` in the draft's) hand their rows to eager ones (`to_eager`), where decoding goes on with the
-        same tokens."""
+        `draft_tokens` in the draft's), or whose steps would run past the largest bucket (a verify wider than
+        `WIDTH_BUCKETS`' widest, more `rows` than `ROW_BUCKETS`' largest: each new shape would compile and capture
+        anew), hand their rows to eager ones (`to_eager`, one log line), where decoding goes on with the same tokens."""
         if not isinstance(self.kv, StaticKV):
             return
+        rows = self.batch_size if rows is None else rows
+        if tokens > WIDTH_BUCKETS[-1]:
+            return self._to_eager(f"a verify of {tokens} tokens is wider than the widest compiled step "
+                                  f"({WIDTH_BUCKETS[-1]}: static_kv.WIDTH_BUCKETS)")
+        if rows > ROW_BUCKETS[-1]:
+            return self._to_eager(f"{rows} rows are more than the largest compiled batch ({ROW_BUCKETS[-1]}: "
+                                  "static_kv.ROW_BUCKETS)")
         for name, kv, n in (("target", self.kv, tokens), ("draft", self.dkv, draft_tokens)):
             if kv is not None and not kv.fits(n):
                 return self._to_eager(f"{n} new entries past the {kv.width} slots in use of the {name}'s cache "
@@ -420,7 +428,7 @@ class DecodingState:
         """Append `other`'s rows (same models and sampling, just prefilled) after this batch's rows."""
         if (getattr(self.kv, "features", None) is None) != (getattr(other.kv, "features", None) is None):
             raise ValueError("cannot merge a state that captures features with one that does not")
-        self._room_for(0, len(self.pending))
+        self._room_for(0, len(self.pending), self.batch_size + other.batch_size)
         if isinstance(self.kv, StaticKV) and not (self.kv.can_merge(other.kv) and (
                 self.dkv is None or self.dkv.can_merge(other.dkv))):
             self._to_eager(f"{other.batch_size} rows joining {self.batch_size} do not fit (StaticConfig.rows, "

@@ -63,11 +63,12 @@ STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 
 log = logging.getLogger(__name__)
 
-# A verified tree is padded to the first of these node counts it fits (wider ones keep their own): trees of one
-# bucket share one compiled verify step (a context chain's length, a draft's size vary from round to round).
+# A verified tree is padded to the first of these node counts it fits: trees of one bucket share one compiled verify
+# step (a context chain's length, a draft's size vary from round to round). `DecodingState` hands a wider verify to
+# the eager cache; called directly, a wider one runs at its own width.
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
-# A batch's compiled steps run on the first of these row counts it fits (at most the rows allocated; more rows keep
-# their own): rows leaving and joining inside one bucket change no shape the steps see.
+# A batch's compiled steps run on the first of these row counts it fits (at most the rows allocated): rows leaving
+# and joining inside one bucket change no shape the steps see. `DecodingState` hands a larger batch to the eager cache.
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 
@@ -178,6 +179,31 @@ class StaticRows:
     def buffers(self) -> list[torch.Tensor]:
         return [*self.keys, *self.values, self._lengths]
 
+    def _compiled(self, step: Callable, name: str) -> Callable:
+        """`step` through `StaticConfig.compile` (as is without one). When compiling or capturing it fails (out of
+        memory in a CUDA graph's capture, an op the compiler cannot take), this cache runs `step` uncompiled from
+        then on, with the same tokens: the rows' lengths are put back as they were before the failed call (a
+        capture's warm-up may have run the step), the call is repeated, and one log line says why."""
+        if self.config.compile is None:
+            return step
+        compiled = [self.config.compile(step)]
+
+        def run(*args):
+            if compiled[0] is step:
+                return step(*args)
+            lengths = self._lengths.clone()
+            try:
+                return compiled[0](*args)
+            except CacheFull:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure of the compiler or the capture: run it eagerly
+                self._lengths.copy_(lengths)
+                compiled[0] = step
+                log.warning("static decoding runs its %s uncompiled: compiling or capturing it failed (%s)", name,
+                            f"{type(err).__name__}: {err}"[:300])
+                return step(*args)
+        return run
+
     def fits(self, n_new: int) -> bool:
         """Whether n_new entries past the committed ones have room (a forward raises `CacheFull` otherwise)."""
         return self.width + n_new <= self.config.capacity
@@ -286,8 +312,8 @@ class StaticKV(StaticRows):
         self.target = target
         self.rules = layer_rules(tc)[0]
         self.kinds = tuple(dict.fromkeys(self.rules))  # the distinct rules, in layer order
-        wrap = config.compile or (lambda step: step)
-        self._plain, self._verify = wrap(self._plain_step), wrap(self._verify_step)
+        self._plain = self._compiled(self._plain_step, "plain step")
+        self._verify = self._compiled(self._verify_step, "verify step")
 
     def to_eager(self, reason: str | None = None) -> TargetKV:
         """The same rows and entries in a growing `TargetKV`, where decoding goes on eagerly: what the static
@@ -402,7 +428,7 @@ class StaticDraftKV(StaticRows):
         shape = (max(batch_size, config.rows), dc.num_key_value_heads, config.capacity, dc.head_dim)
         super().__init__(1, shape, draft.get_parameter("fc.weight"), batch_size, config)
         self.reserved = False  # while `draft_tree` runs: the levels' slots were chosen once, on the host
-        self._grow = (config.compile or (lambda step: step))(_grow)
+        self._grow = self._compiled(_grow, "draft loop")
 
     def draft_tree(self, draft, root_hidden: torch.Tensor, root: torch.Tensor, tree: TreeConfig) -> Tree:
         """`eagle_core.tree.draft_tree` on this cache, the whole loop (levels, top-k, rerank, ancestor matrix) one

@@ -454,17 +454,43 @@ def test_what_does_not_fit_is_refused_before_anything_is_written():
         StaticKV(tiny_family_model("gemma2"), 1)
 
 
-@pytest.mark.parametrize("short", ["context", "rows"])
 @torch.inference_mode()
-def test_what_does_not_fit_decodes_on_eagerly_with_one_log_line(short, caplog):
-    """A batch whose context outgrows the capacity, or whose joining rows outnumber the spare ones, hands its rows
-    to the eager cache once (one log line saying why) and gives today's tokens."""
+def test_a_step_that_fails_to_compile_runs_uncompiled_with_one_log_line(caplog):
+    """A compile whose steps run once and then fail (as a CUDA graph's capture may, out of memory, after its warm-up
+    has written the buffers): each of the three steps is run uncompiled from then on, one log line each, and the
+    tokens are today's (the lengths the failed call moved are put back)."""
+    def run_then_fail(step):
+        def compiled(*args):
+            step(*args)
+            raise RuntimeError("CUDA graph capture failed: out of memory")
+        return compiled
+
     target = damped_tiny_llama(0.8, seed=3)
-    draft, prompts = echo_draft(target), random_prompts(5, 512, seed=5)
-    eager = decode(target, draft, prompts, GREEDY, MODES, join=prompts[3:], leave=2)
-    static = StaticConfig(capacity=48, rows=4) if short == "context" else StaticConfig(capacity=256, rows=3)
+    draft, prompts = echo_draft(target), random_prompts(3, 512, seed=5)
+    eager = decode(target, draft, prompts, GREEDY, MODES)
     with caplog.at_level("WARNING", logger="eagle_core.static_kv"):
-        assert decode(target, draft, prompts, GREEDY, MODES, static, prompts[3:], 2) == eager
+        assert decode(target, draft, prompts, GREEDY, MODES, StaticConfig(capacity=256, compile=run_then_fail)) == eager
+    lines = sorted(r.getMessage() for r in caplog.records if r.name == "eagle_core.static_kv")
+    assert [line.split(" uncompiled")[0] for line in lines] == [
+        f"static decoding runs its {step}" for step in ("draft loop", "plain step", "verify step")]
+    assert all("RuntimeError: CUDA graph capture failed: out of memory" in line for line in lines)
+
+
+@pytest.mark.parametrize("short, why", [("context", "StaticConfig.capacity"), ("rows", "rows joining"),
+                                        ("wide", "wider than the widest compiled step (64"),
+                                        ("many", "17 rows are more than the largest compiled batch (16")])
+@torch.inference_mode()
+def test_what_does_not_fit_decodes_on_eagerly_with_one_log_line(short, why, caplog):
+    """A batch whose context outgrows the capacity, whose joining rows outnumber the spare ones, whose tree is wider
+    than the widest verify bucket (71 tokens) or whose rows (2 + 15 joining) outnumber the largest row bucket hands
+    its rows to the eager cache once (one log line saying why) and gives today's tokens."""
+    target = damped_tiny_llama(0.8, seed=3)
+    draft, prompts = echo_draft(target), random_prompts(18 if short == "many" else 5, 512, seed=5)
+    tree = TreeConfig(4, 10, 70) if short == "wide" else TreeConfig(3, 4, 10)
+    eager = decode(target, draft, prompts, GREEDY, MODES, join=prompts[3:], leave=2, tree=tree)
+    static = {"context": StaticConfig(capacity=48, rows=4), "rows": StaticConfig(capacity=256, rows=3)}.get(
+        short, StaticConfig(capacity=256, rows=32))
+    with caplog.at_level("WARNING", logger="eagle_core.static_kv"):
+        assert decode(target, draft, prompts, GREEDY, MODES, static, prompts[3:], 2, tree=tree) == eager
     lines = [r.getMessage() for r in caplog.records if r.name == "eagle_core.static_kv"]
-    assert len(lines) == 1 and "falls back to eager" in lines[0]
-    assert ("StaticConfig.capacity" if short == "context" else "rows joining") in lines[0]
+    assert len(lines) == 1 and "falls back to eager" in lines[0] and why in lines[0], lines
