@@ -283,10 +283,11 @@ def make_scheduler(optimizer, cfg: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, cfg))
 
 
-def batch_to(batch: dict, device) -> dict:
+def batch_to(batch: dict, device, non_blocking: bool = False) -> dict:
+    """`batch` on `device` (non_blocking: an asynchronous copy from pinned host memory to a GPU)."""
     def move(v):
         if torch.is_tensor(v):
-            return v.to(device)
+            return v.to(device, non_blocking=non_blocking)
         return tuple(move(x) for x in v) if isinstance(v, tuple) else v
     return {k: move(v) for k, v in batch.items()}
 

@@ -137,7 +137,7 @@ class RunPlan:
     tokens_per_batch: int | None = None
     max_steps: int | None = None
     pack_length: int | str | None = None  # training: packed rows of this many tokens, "longest" or None (one per row)
-    micro_batch_tokens: int | None = None  # training: each worker's share of a step in micro-batches of this many tokens
+    micro_batch_tokens: int | None = None  # training: a worker's share of a step in micro-batches of this many tokens
     train_workers: int = 1  # training: Ray Train workers (data parallel)
     strategy: str = "ddp"
     streaming: bool = False

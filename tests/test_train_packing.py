@@ -14,7 +14,7 @@ from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, ttt_forw
 from eagle_core.ttt_batch import BadBatch, check_batch, step_counts
 from eagle_core.vocab import build_vocab_mapping
 from pipelines.feature_files import encode_hidden
-from pipelines.train.batches import collate, decode_row
+from pipelines.train.batches import Step, collate, decode_row, prefetched
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.loop import rank_batches, train_one_step
 from pipelines.train.model import TTTObjective
@@ -94,6 +94,28 @@ def test_a_step_in_micro_batches_trains_as_the_whole_step(tiny_target, micro_bat
             torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
     with pytest.raises(ValueError, match="micro_batch_tokens must be a positive number of tokens"):
         TrainJobConfig(features="x", micro_batch_tokens=0)
+
+
+def test_the_next_steps_batches_are_prepared_while_this_one_trains():
+    """`prefetched` (the loop's host work one step ahead): while the caller holds step i, step i+1's prepare runs on
+    another thread (step i waits for it to start: without prefetching it would never start); steps come in order;
+    an error in a step's prepare is raised where that step is asked for, after the steps before it trained."""
+    import threading
+
+    started = [threading.Event() for _ in range(3)]
+
+    def prepare(rows):
+        started[rows[0]].set()
+        if rows[0] == 2:
+            raise BadBatch("step 2's batch")
+        return 10 * rows[0]
+
+    got = []
+    with pytest.raises(BadBatch, match="step 2's batch"):
+        for step, prepared in prefetched(iter([Step([i], {}, last=False) for i in range(3)]), prepare):
+            got.append((step.rows[0], prepared, threading.current_thread() is threading.main_thread()))
+            assert started[step.rows[0] + 1].wait(timeout=60)  # the next step prepares meanwhile
+    assert got == [(0, 0, True), (1, 10, True)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the loop's low-precision teacher")

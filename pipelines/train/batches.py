@@ -15,6 +15,7 @@ but not the very same ones.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
@@ -119,6 +120,23 @@ class StreamedBatches:
         groups = [[r] for r in self.held]  # one streamed held-out row per forward
         n = int(all_reduce(torch.tensor([float(len(groups))]), self.device, op="max")[0])
         return iter(groups + [[] for _ in range(n - len(groups))])
+
+
+def prefetched(steps: Iterator[Step], prepare: Callable[[list[dict]], object]) -> Iterator[tuple[Step, object]]:
+    """(step, prepare(step.rows)) for every step, the next step's `prepare` running on a background thread while the
+    caller trains on this one, so the host's decoding and packing overlap the device's step. The steps themselves
+    are drawn on the caller's thread, one ahead (a streamed epoch's collectives stay in one order on every rank);
+    `prepare` must issue none. An error in `prepare` is raised where its step is asked for, before it trains."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as pool:
+        step = next(steps, None)
+        ready = pool.submit(prepare, step.rows) if step is not None else None
+        while step is not None:
+            following = next(steps, None)
+            prepared = ready.result()
+            if following is not None:
+                ready = pool.submit(prepare, following.rows)
+            yield step, prepared
+            step = following
 
 
 def decode_row(row: dict, meta: dict) -> dict:

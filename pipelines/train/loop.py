@@ -18,7 +18,7 @@ import torch
 
 from eagle_core.ttt import TrainConfig, batch_to, make_optimizer, make_scheduler, train_step
 from eagle_core.ttt_batch import check_batch, pack_rows, step_counts
-from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row
+from pipelines.train.batches import Batches, PlannedBatches, StreamedBatches, collate, decode_row, prefetched
 from pipelines.train.checkpoint import full_state, is_sharded, restore_state, restore_trainer, save_checkpoint
 from pipelines.train.collectives import all_reduce, world_info
 from pipelines.train.config import TrainJobConfig
@@ -82,9 +82,10 @@ def _train_epochs(run: "Run") -> None:
         held_out_eval(run)  # the untrained draft: the baseline of the held-out curves, logged at step 0
     while run.state["epoch"] < run.config.epochs:
         epoch, done, data_wait, asked = run.state["epoch"], False, 0.0, time.perf_counter()
-        for step in run.batches.epoch(epoch, run.state):
+        # The next step's host work (decoding, packing, checks, pinning) runs while this one trains.
+        for step, host in prefetched(run.batches.epoch(epoch, run.state), lambda rows: host_batches(run, rows)):
             data_wait += time.perf_counter() - asked  # time blocked on the data, not computing
-            metrics = train_one_step(run, step.rows)
+            metrics = train_one_step(run, step.rows, host)
             run.state.update(step.position, step=run.state["step"] + 1)
             done = run.config.max_steps is not None and run.state["step"] >= run.config.max_steps
             after_step(run, metrics, checkpoint_now=not (step.last or done))
@@ -145,12 +146,12 @@ def setup(loop_config: dict) -> Run:
                fault_at_step=loop_config.get("fault_at_step"))
 
 
-def train_one_step(run: Run, rows: list[dict]) -> dict:
+def train_one_step(run: Run, rows: list[dict], host: list[dict] | None = None) -> dict:
     """One optimiser step on this rank's rows of the global batch (in micro-batches when the job says so); the
-    global metrics of the step."""
+    global metrics of the step. `host`: the rows' `host_batches` when they were prepared ahead (`prefetched`)."""
     started = time.perf_counter()
     K = run.config.ttt_steps
-    micro = rank_batches(run, rows)
+    micro = pad_to_every_rank(run, host_batches(run, rows) if host is None else host)
     # Every micro-batch's losses over the whole global step's position counts: the ranks' and micro-batches'
     # gradients then sum to the gradient of the global batch (see the module docstring).
     counts = all_reduce(sum(step_counts(b, K).double() for b in micro), run.device)
@@ -161,7 +162,7 @@ def train_one_step(run: Run, rows: list[dict]) -> dict:
         # On the device just before its forward, with the teacher under the objective's autocast: float32 on a CPU;
         # on CUDA the draft-vocabulary labels from bf16 inputs and the float32 argmax
         # (`eagle_core.teacher.low_precision_teacher`), as bench.ttt measures the step.
-        return run.teacher(batch_to(batch, run.device), run.head)
+        return run.teacher(batch_to(batch, run.device, non_blocking=True), run.head)
 
     local = train_step(run.draft, micro, run.head, run.optimizer, run.scheduler, run.tcfg,
                        forward=lambda _draft, *a, **k: run.objective(*a, **k), prepare=prepare,
@@ -172,26 +173,40 @@ def train_one_step(run: Run, rows: list[dict]) -> dict:
 
 
 def rank_batches(run: Run, rows: list[dict]) -> list[dict]:
-    """This rank's rows of a step (or of a held-out forward) as batches on the CPU: one, or with `micro_batch_tokens`
-    its micro-batches (conversations first-fit, longest first, `pack_rows`; as many on every rank as the fullest
-    rank needs, padded with dummy rows, so every rank runs the same forwards and collectives). Each is packed when
-    the job says so and refused by name (`check_batch`: shapes, ids, positions, empty loss masks) before anything
-    moves to the device, so before the step that would use it."""
+    """This rank's rows of a step (or of a held-out forward) as batches on the host, as many on every rank
+    (`host_batches`, then `pad_to_every_rank`)."""
+    return pad_to_every_rank(run, host_batches(run, rows))
+
+
+def host_batches(run: Run, rows: list[dict]) -> list[dict]:
+    """This rank's rows as batches on the host: one, or with `micro_batch_tokens` its micro-batches (conversations
+    first-fit, longest first, `pack_rows`). Each is packed when the job says so, refused by name (`check_batch`:
+    shapes, ids, positions, empty loss masks) before anything moves to the device, so before the step that would use
+    it, and pinned for an asynchronous copy when the device is a GPU. No collective: it may run on the prefetching
+    thread."""
     decoded = [decode_row(r, run.meta) for r in rows]
     lengths = [len(r["input_ids"]) for r in decoded]
     groups = [list(range(len(decoded)))]
     if run.config.micro_batch_tokens is not None:
         groups = pack_rows(lengths, run.config.micro_batch_tokens, [r.get("id") for r in decoded]) if decoded else []
-        count = all_reduce(torch.tensor([float(len(groups))]), run.device, op="max")
-        groups += [[] for _ in range(max(int(count[0]), 1) - len(groups))]
     batches = []
     for group in groups:
         part = [decoded[i] for i in sorted(group)]  # read order inside a micro-batch
         batch = collate(part, run.meta, run.config.ttt_steps, torch.device("cpu"),
                         run.config.row_length([lengths[i] for i in group]))
         check_batch(run.draft, batch, run.head)
-        batches.append(batch)
+        batches.append({k: v.pin_memory() for k, v in batch.items()} if run.device.type == "cuda" else batch)
     return batches
+
+
+def pad_to_every_rank(run: Run, batches: list[dict]) -> list[dict]:
+    """With micro-batches, `batches` plus dummy rows (`collate([])`) up to the count of the rank with the most, so every
+    rank runs the same forwards and collectives (one all-reduce); without, as they are (one each)."""
+    if run.config.micro_batch_tokens is None:
+        return batches
+    count = int(all_reduce(torch.tensor([float(len(batches))]), run.device, op="max")[0])
+    dummy = [collate([], run.meta, run.config.ttt_steps, torch.device("cpu")) for _ in range(count - len(batches))]
+    return batches + dummy
 
 
 def after_step(run: Run, metrics: dict, checkpoint_now: bool) -> None:
