@@ -319,6 +319,8 @@ def train_step(draft, batch, target_lm_head_weight, optimizer, scheduler, cfg: T
     optimizer.zero_grad(set_to_none=True)
     parts, tokens = [], 0
     for i, b in enumerate(micro):
+        # counted before `prepare` moves it: on the host, where the loop's batches are, no device sync
+        tokens += int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
         b = prepare(b) if prepare is not None else b
         check_batch(draft, b, target_lm_head_weight, contents=False)
         with gradient_sync(i == len(micro) - 1) if gradient_sync is not None else nullcontext():
@@ -329,7 +331,6 @@ def train_step(draft, batch, target_lm_head_weight, optimizer, scheduler, cfg: T
                 position_ids=b.get("position_ids"))
             out.loss.backward()
         parts.append(TTTOutput(out.loss.detach(), out.step_losses, out.step_accuracies, out.step_counts))
-        tokens += int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
         del out, b  # the micro-batch's graph and teacher go before the next one's
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)
     optimizer.step()
