@@ -11,7 +11,8 @@ materialised on the GPU and filled with random numbers there. Speed does not dep
 Per target:
 * verify: our verify forward (`eagle_core.verify.verify_tree`: `eagle_core.kv.target_forward` with a tree mask,
   aux capture, lm_head on every node) of 1-64 new tokens on a cache of `--context-tokens`, and transformers' own
-  forward of the same tokens (its DynamicCache, logits of every token), each against its one-token time;
+  forward of the same tokens (its DynamicCache, logits of every token), each against its one-token time; and our
+  verify again with the kv heads repeated as transformers attends on a GPU (`eagle_core.attention.folds_gqa` off);
 * plain: our plain step (`eagle_core.decoding.plain_step`) against transformers' one-token forward;
 * static: the static path (`eagle_core.static_kv`): its plain step and its verify step (forward, acceptance and
   keep) at every width, uncompiled and, with `--compile MODE`, compiled (`torch.compile(fullgraph=True,
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, command, machine, write_json, write_markdown
+from eagle_core import attention
 from eagle_core.autotune import draft_cases, target_forward_cases, timed
 from eagle_core.decoding import clock, plain_step, prefill
 from eagle_core.draft import DraftConfig, Eagle3Draft
@@ -260,8 +262,10 @@ def decode_costs(model, draft, opts, device: torch.device) -> dict:
     token = ids[0, context: context + 1]
     depths = sorted({1, opts.depth})
     static_checks, static_cases = static_path(model, opts, ids, context, aux)
+    verify_cases = target_forward_cases(model, widths, context, aux)
     ms = timed(device, {
-        "verify": target_forward_cases(model, widths, context, aux),
+        "verify": verify_cases,
+        "verify, kv heads repeated": {w: (repeating_kv_heads(run), reset) for w, (run, reset) in verify_cases.items()},
         "transformers": {w: transformers_forward(w) for w in widths},
         "plain": {1: (lambda: plain_step(model, kv, token, SamplingConfig(), None, aux),
                       lambda: kv.truncate_(context))},
@@ -283,12 +287,27 @@ def decode_costs(model, draft, opts, device: torch.device) -> dict:
         "transformers_forward": {"ms": {str(w): hf[w] for w in widths},
                                  "over_one_token": {str(w): hf[w] / hf[1] for w in widths}},
         "verify_over_transformers": {str(w): verify[w] / hf[w] for w in widths},
+        # the same verify attending as transformers does on a GPU (kv heads repeated): what `folded_gqa_sdpa` saves
+        "verify_kv_heads_repeated_ms": {str(w): ms["verify, kv heads repeated"][w] for w in widths},
         "plain": {"our_step_ms": ms["plain"][1], "transformers_forward_ms": hf[1],
                   "ours_over_transformers": ms["plain"][1] / hf[1]},
         "draft": {"top_k": opts.top_k, "depth_ms": {str(d): ms["draft"][d] for d in depths},
                   "level_ms": level, "draft_vocab_size": draft.config.draft_vocab_size},
         "static": static,
     }
+
+
+def repeating_kv_heads(run):
+    """`run` with the grouped-query fold off (`eagle_core.attention.GQA_FOLD_DEVICES` empty): a masked attention of
+    2+ queries on a GPU then repeats the kv heads, as transformers does. On a CPU it changes nothing (SDPA's own
+    grouped-query path runs first)."""
+    def repeated():
+        devices, attention.GQA_FOLD_DEVICES = attention.GQA_FOLD_DEVICES, frozenset()
+        try:
+            return run()
+        finally:
+            attention.GQA_FOLD_DEVICES = devices
+    return repeated
 
 
 def static_path(model, opts, ids, context: int, aux) -> tuple[dict, dict]:
@@ -488,6 +507,8 @@ def markdown(result: dict) -> str:
                       + " |",
                       "| ours, × our plain step | "
                       + " | ".join(_num(d["verify"]["over_plain_step"][w]) for w in widths) + " |",
+                      "| ours, kv heads repeated (transformers' GPU attention), ms | "
+                      + " | ".join(_num(d.get("verify_kv_heads_repeated_ms", {}).get(w)) for w in widths) + " |",
                       "| transformers, ms | " + " | ".join(_num(d["transformers_forward"]["ms"][w]) for w in widths)
                       + " |",
                       "| transformers, × one token | "

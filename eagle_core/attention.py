@@ -3,8 +3,8 @@
 `attention_allowed` / `causal_mask` say which cached and new entries each new query sees (`eagle_core.kv`'s
 layout); `forward_masks` turns that into one additive mask per attention kind the target's layers use (full,
 sliding window, chunk: `eagle_core.families`), and `per_layer_masks` hands each layer its own. `our_attention`
-routes a forward's SDPA calls through `_transformers_attention`, which skips transformers' repeated KV heads on
-CPUs.
+routes a forward's SDPA calls through `_transformers_attention`, which skips transformers' repeated KV heads (CPUs:
+SDPA's grouped-query support; CUDA: the query heads folded over their kv head).
 """
 
 from __future__ import annotations
@@ -104,13 +104,46 @@ def use_gqa_sdpa(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bo
     return query.device.type == "cpu" and query.shape[2] > 1 and attention_mask is not None
 
 
+# Devices where 2+ new queries with a mask attend with the query heads folded over their kv head (`folded_gqa_sdpa`)
+# instead of transformers' repeated kv heads (CPUs take SDPA's own grouped-query path first: `use_gqa_sdpa`);
+# bench.gpu times a verify with and without it.
+GQA_FOLD_DEVICES = frozenset({"cuda"})
+
+
+def folds_gqa(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether `_transformers_attention` calls `folded_gqa_sdpa`: a CUDA query [B, H, S, D] of 2+ tokens (a verify,
+    a catch-up, a prefill) with a mask shared by the heads, over fewer kv heads than query heads. transformers
+    repeats the kv heads there (CUDA's fused kernels take no mask with `enable_gqa`): a verify then reads every
+    layer's cache H / Hkv times (4x for Llama-3.1-8B)."""
+    return (query.device.type in GQA_FOLD_DEVICES and query.shape[2] > 1 and attention_mask is not None
+            and attention_mask.shape[1] == 1 and query.shape[1] != key.shape[1])
+
+
+def folded_gqa_sdpa(query, key, value, attention_mask, scale=None, dropout: float = 0.0) -> torch.Tensor:
+    """SDPA of query [B, H, S, D] over key, value [B, Hkv, W, D] under a mask [B, 1, S, W] (bool or additive),
+    with each kv head's G = H / Hkv query heads folded into its query rows ([B, Hkv, G*S, D], the mask repeated over
+    the G): one attention per kv head, so the cache is read once, as a mask-taking fused kernel needs, instead of
+    copied G times. Query head h reads kv head h // G, as transformers' `repeat_kv` pairs them; each head's softmax
+    and weighted sum are those of the unfolded call. Returns [B, H, S, D]."""
+    b, h, s, d = query.shape
+    kv_heads = key.shape[1]
+    g = h // kv_heads
+    mask = attention_mask[:, :, None].expand(b, 1, g, s, attention_mask.shape[-1]).reshape(b, 1, g * s, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, kv_heads, g * s, d), key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.reshape(b, h, s, d)
+
+
 def _transformers_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' SDPA attention (its attention-interface signature), without the repeated kv heads where
-    `use_gqa_sdpa` says so."""
+    `use_gqa_sdpa` (CPUs: SDPA's own grouped-query support) or `folds_gqa` (CUDA: the query heads folded) says so."""
     if use_gqa_sdpa(query, attention_mask):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask[:, :, :, : key.shape[-2]],
             dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    if folds_gqa(query, key, attention_mask):
+        out = folded_gqa_sdpa(query, key, value, attention_mask[:, :, :, : key.shape[-2]], scaling, dropout)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

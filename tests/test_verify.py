@@ -6,7 +6,7 @@ import torch
 from decode_helpers import random_prompts, single_thread  # noqa: F401 (autouse fixture)
 from eagle_core.decoding import prefill
 from eagle_core.generate import generate
-from eagle_core.attention import _transformers_attention
+from eagle_core.attention import _transformers_attention, folded_gqa_sdpa
 from eagle_core.kv import TargetKV
 from eagle_core.target import make_tiny_llama
 from eagle_core.tree import tree_from_parents
@@ -72,6 +72,39 @@ def test_our_cpu_attention_is_transformers_sdpa_bit_for_bit(dtype, mask, new_tok
     ref, _ = sdpa_attention_forward(layer, q, k, v, m, scaling=8 ** -0.5)
     assert ours.shape == ref.shape == (2, new_tokens, 6, 8)
     assert torch.equal(ours, ref)
+    # CUDA's path (the query heads folded over their kv head, `folded_gqa_sdpa`): the same attention up to the
+    # rounding of another reduction order
+    folded = folded_gqa_sdpa(q, k, v, m, scale=8 ** -0.5).transpose(1, 2)
+    torch.testing.assert_close(folded, ref, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
+
+
+@torch.inference_mode()
+def test_a_tree_verification_with_folded_query_heads_equals_transformers(monkeypatch):
+    """CUDA's grouped-query path (`folds_gqa`, forced here on the CPU): every layer of a tree's verify attends with
+    the query heads folded over their kv head, and the logits are transformers' SDPA forward's up to float32
+    rounding, on a ragged batch."""
+    import eagle_core.attention as attention
+
+    calls = []
+    original = attention.folded_gqa_sdpa
+    monkeypatch.setattr(attention, "GQA_FOLD_DEVICES", frozenset({"cpu"}))
+    model = make_tiny_llama(dtype=torch.float32)
+    prompts = random_prompts(2, 512, seed=6)
+    parents, tokens = random_tree(2, 9, 512, seed=7)
+    logits = {}
+    for path in ("folded", "sdpa"):
+        monkeypatch.setattr(attention, "use_gqa_sdpa", lambda q, m: False)  # CPUs' own path first otherwise
+        if path == "sdpa":
+            monkeypatch.setattr(attention, "GQA_FOLD_DEVICES", frozenset())
+        monkeypatch.setattr(attention, "folded_gqa_sdpa", lambda q, *a: calls.append(q.shape) or original(q, *a))
+        kv = TargetKV(2, "cpu")
+        prefill(model, kv, prompts, None)
+        calls.clear()
+        logits[path], _ = verify_tree(model, kv, tree_from_parents(tokens, parents), None)
+        if path == "folded":
+            assert calls == [(2, 4, 9, 16)] * model.config.num_hidden_layers
+    assert not calls
+    torch.testing.assert_close(logits["folded"], logits["sdpa"], atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()
