@@ -388,9 +388,9 @@ class DecodingState:
             return self._to_eager(f"{rows} rows are more than the largest compiled batch ({ROW_BUCKETS[-1]}: "
                                   "static_kv.ROW_BUCKETS)")
         for name, kv, n in (("target", self.kv, tokens), ("draft", self.dkv, draft_tokens)):
-            if kv is not None and not kv.fits(n):
-                return self._to_eager(f"{n} new entries past the {kv.width} slots in use of the {name}'s cache "
-                                      f"exceed its {kv.config.capacity} (StaticConfig.capacity)")
+            why = None if kv is None else kv.no_room(n)
+            if why:
+                return self._to_eager(f"the {name}'s cache: {why}")
 
     def _to_eager(self, reason: str | None) -> None:
         self.kv = self.kv.to_eager(reason)

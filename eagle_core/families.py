@@ -133,3 +133,11 @@ def temperature_tuning_limit(config) -> int | None:
         if not all(config.no_rope_layers):  # a 0 marks a layer without RoPE
             return int(config.floor_scale) - 1
     return None
+
+
+def check_temperature_tuning(limit: int | None, tokens: int) -> None:
+    """Raise `UnsupportedTarget` for a forward after which the cache would hold `tokens` entries past Llama 4's
+    `temperature_tuning_limit` (None: no bound)."""
+    if limit is not None and tokens > limit:
+        raise UnsupportedTarget(f"Llama 4: attention temperature tuning scales queries by the cache length past "
+                                f"{limit} tokens, which the ragged decoder does not reproduce")

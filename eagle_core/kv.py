@@ -276,16 +276,13 @@ def target_forward(target, kv: TargetKV, input_ids: torch.Tensor, position_ids: 
     (`kv.features`) also gets this forward's, for `keep_new_` to keep (its layers recorded too where the caller's
     `aux_layer_ids` lack them).
     """
-    from eagle_core.families import UnsupportedTarget
+    from eagle_core.families import check_temperature_tuning
     from eagle_core.capture import record_hidden_states
 
     if not isinstance(kv, TargetKV):  # a static cache (`eagle_core.static_kv.StaticKV`) owns its forward
         return kv.forward(input_ids, position_ids, new_mask, aux_layer_ids)
     decoder = target.model
-    _, _, limit = layer_rules(target.config)
-    if limit is not None and kv.width + input_ids.shape[1] > limit:
-        raise UnsupportedTarget(f"Llama 4: attention temperature tuning scales queries by the cache length past "
-                                f"{limit} tokens, which the ragged decoder does not reproduce")
+    check_temperature_tuning(layer_rules(target.config)[2], kv.width + input_ids.shape[1])
     bias, masks, rules = forward_masks(target.config, attention_allowed(kv.lengths, kv.width, new_mask), position_ids,
                                        decoder.embed_tokens.weight.dtype)
     recorded = list(aux_layer_ids or [])

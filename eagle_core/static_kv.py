@@ -36,12 +36,14 @@ be finite (a NaN times a zero weight is NaN), which zero-filled buffers written 
 
 The host keeps a few ints per cache (`width`: an upper bound on the longest row, advanced by what a keep may add,
 its K; `pending`; `attend_width`), never read from the device. What does not fit falls back to the eager caches
-(`to_eager`, `eagle_core.decoding.DecodingState`). Families: those whose decoder forward is Llama's loop
-(`STATIC_FAMILIES`); the others raise `UnsupportedTarget` and keep the eager path.
+(`to_eager`, `eagle_core.decoding.DecodingState`). Families: every family of the decoder's matrix
+(`STATIC_FAMILIES`: Llama's loop plus Granite's embedding multiplier and Gemma 3's rotary per layer type); others,
+and targets spread over several devices, raise `UnsupportedTarget` and keep the eager path.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
@@ -50,16 +52,21 @@ from typing import Callable
 import torch
 
 from eagle_core.attention import layer_rules, our_attention, to_bias, within_span
-from eagle_core.families import UnsupportedTarget, family_name
+from eagle_core.families import UnsupportedTarget, check_temperature_tuning, family_name
 from eagle_core.kv import DraftKV, TargetKV, lm_logits
 from eagle_core.tree import Tree, TreeConfig, _grow
 from eagle_core.verify import Acceptance, SamplingConfig, accept, sample_next, seed_tensor
 
-# Model types whose decoder forward is embeddings -> rotary(position_ids) -> layers(mask of the layer's kind,
-# position embeddings, cache) -> final norm, which `StaticKV._forward` reproduces (the tests check each against
-# the eager path). Gemma scales its embeddings, Granite multiplies them, Llama 4 tunes temperatures by the cache
-# length: not here yet.
-STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "gpt_oss"})
+# Model types whose decoder forward `StaticKV._forward` reproduces (tests/test_static_cache.py holds each against the
+# eager path): embeddings -> rotary(position_ids) -> layers(mask of the layer's kind, position embeddings, cache) ->
+# final norm, with the few steps some families add around their layers (`StaticKV.__init__`): Granite's embedding
+# multiplier; Gemma 3's rotary per layer type. What the rest add lives in modules the loop calls: Gemma's scaled
+# embeddings (sqrt(hidden) in the embedding's dtype) in its embedding, Gemma 2's attention soft-cap in its
+# attention (eager: transformers gives it no SDPA), Granite's residual and attention multipliers in its layers,
+# Llama 4's no-RoPE and qk-norm in its attention, the logit scaling and final soft-cap in `lm_logits`. Llama 4's
+# temperature tuning is 1 below its bound, which the static cache keeps to as the eager one does (`no_room`).
+STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "gpt_oss", "gemma2",
+                             "gemma3_text", "granite", "llama4_text"})
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +211,12 @@ class StaticRows:
                 return step(*args)
         return run
 
-    def fits(self, n_new: int) -> bool:
-        """Whether n_new entries past the committed ones have room (a forward raises `CacheFull` otherwise)."""
-        return self.width + n_new <= self.config.capacity
+    def no_room(self, n_new: int) -> str | None:
+        """Why n_new entries past the committed ones do not fit (a forward would raise `CacheFull`), or None."""
+        if self.width + n_new > self.config.capacity:
+            return (f"{n_new} new entries past the {self.width} slots in use exceed its {self.config.capacity} "
+                    "(StaticConfig.capacity)")
+        return None
 
     def can_merge(self, other) -> bool:
         """Whether `merge_(other)` fits: a cache of the same kind and layers, into the spare rows and slots."""
@@ -310,22 +320,50 @@ class StaticKV(StaticRows):
         shape = (max(batch_size, config.rows), tc.num_key_value_heads, config.capacity, head_dim)
         super().__init__(tc.num_hidden_layers, shape, target.get_input_embeddings().weight, batch_size, config)
         self.target = target
-        self.rules = layer_rules(tc)[0]
+        self.rules, _, self.tuning_limit = layer_rules(tc)
         self.kinds = tuple(dict.fromkeys(self.rules))  # the distinct rules, in layer order
+        # What a family's decoder forward adds around its layers (the rest lives in the modules `_forward` calls):
+        # Granite multiplies its embeddings; Gemma 3 rotates each layer type by its own rotary embedding.
+        decoder = target.model
+        self.embedding_multiplier = getattr(decoder, "embedding_multiplier", None)
+        rotary_args = inspect.signature(decoder.rotary_emb.forward).parameters
+        self.rotary_types = tuple(tc.layer_types[: tc.num_hidden_layers]) if "layer_type" in rotary_args else None
         self._plain = self._compiled(self._plain_step, "plain step")
         self._verify = self._compiled(self._verify_step, "verify step")
 
     def to_eager(self, reason: str | None = None) -> TargetKV:
         """The same rows and entries in a growing `TargetKV`, where decoding goes on eagerly: what the static
         cache cannot hold (a longer context, a wider tree, more rows) falls back there. `reason`: logged, once per
-        cache that falls back."""
+        cache that falls back. The eager cache is as wide as its longest row, as a growing one always is between
+        steps (the host's `width` is only a bound): the bounds it checks (Llama 4's) are met where they are today."""
         if reason:
             log.warning("static decoding falls back to eager: %s", reason)
         kv = TargetKV(self.batch, self._lengths.device)
+        width = int(self.lengths.max()) if self.batch else 0
         for i, (keys, values) in enumerate(zip(self.keys, self.values)):  # `write_at` copies them
-            kv.cache.update(keys[: self.batch, :, : self.width], values[: self.batch, :, : self.width], i)
+            kv.cache.update(keys[: self.batch, :, :width], values[: self.batch, :, :width], i)
         kv.lengths = self.lengths.clone()
         return kv
+
+    def no_room(self, n_new: int) -> str | None:
+        """`StaticRows.no_room`, and Llama 4's temperature-tuning bound: its no-RoPE layers scale queries by the
+        cache length (`get_seq_length`), by exactly 1 below the bound, past which the eager path refuses
+        (`check_temperature_tuning`); `DecodingState` hands the batch to it there, so it refuses at today's token."""
+        if self.tuning_limit is not None and self.width + n_new > self.tuning_limit:
+            return (f"{n_new} new entries past the {self.width} slots in use go past Llama 4's temperature-tuning "
+                    f"bound ({self.tuning_limit} tokens)")
+        return super().no_room(n_new)
+
+    def _reserve(self, n_new: int) -> None:
+        check_temperature_tuning(self.tuning_limit, self.width + n_new)  # the eager path's refusal, called directly
+        super()._reserve(n_new)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The transformers cache call of Llama 4's no-RoPE layers: their temperature tuning scales the queries at
+        positions get_seq_length() + [0, S) by 1 + attn_scale * log1p((position + 1) // floor_scale), exactly 1
+        for every position below `temperature_tuning_limit`, to which `_reserve` holds every forward: 0 gives the
+        same scale and one traced graph."""
+        return 0
 
     @torch.no_grad()  # decoding: no autograd graph through the buffers, whatever the caller's mode
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
@@ -386,13 +424,19 @@ class StaticKV(StaticRows):
         return acc, aux
 
     def _forward(self, input_ids, position_ids, new_mask, aux_layer_ids: tuple):
-        decoder = self.target.model
+        decoder, types = self.target.model, self.rotary_types
         hidden = decoder.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         masks = self._masks(position_ids, new_mask, hidden.dtype)
-        rotary = decoder.rotary_emb(hidden, position_ids)
+        if types is None:
+            rotary = decoder.rotary_emb(hidden, position_ids)
+        else:
+            rotary = {t: decoder.rotary_emb(hidden, position_ids, t) for t in dict.fromkeys(types)}
         kept = {0: hidden}  # aux id j: the output of decoder layer j - 1 (0: the embeddings)
         for i, layer in enumerate(decoder.layers[: self.target.config.num_hidden_layers]):
-            hidden = layer(hidden, attention_mask=masks[self.rules[i]], position_embeddings=rotary,
+            hidden = layer(hidden, attention_mask=masks[self.rules[i]],
+                           position_embeddings=rotary if types is None else rotary[types[i]],
                            position_ids=position_ids, cache=self, use_cache=True)
             if i + 1 in aux_layer_ids:
                 kept[i + 1] = hidden

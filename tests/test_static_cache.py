@@ -12,7 +12,8 @@
   (rows leaving and joining within it); compiled steps keep today's tokens through mode switches and rows leaving
   and joining; padding rows change no token of the real rows;
 * what does not fit is refused before anything is written, and a batch decodes on eagerly past it (one log
-  line); families it lacks are refused by name; `bench.gpu --tiny` times it and checks its tokens.
+  line); a target over several devices is refused; Llama 4's temperature-tuning bound is kept where the eager path
+  keeps it; `bench.gpu --tiny` times it and checks its tokens.
 """
 
 import pytest
@@ -30,7 +31,8 @@ from eagle_core.tree import TreeConfig, _grow, tree_from_parents
 from eagle_core.verify import SamplingConfig, accept, verify_hidden
 
 # family_helpers names of the families whose decoder forward the static path reproduces (`STATIC_FAMILIES`)
-STATIC = ["llama", "mistral-window", "qwen2-window", "qwen3", "qwen3-moe", "phi3", "olmo2", "gpt-oss"]
+STATIC = ["llama", "mistral-window", "qwen2-window", "qwen3", "qwen3-moe", "phi3", "olmo2", "gpt-oss", "gemma2",
+          "gemma3", "granite", "llama4"]
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, top_k=50)
 
 
@@ -139,14 +141,18 @@ def test_static_decoding_gives_todays_tokens(kind, batch, sampling):
 @pytest.mark.parametrize("name", STATIC)
 @torch.inference_mode()
 def test_every_family_it_claims_decodes_todays_tokens(name):
-    """`generate(static=...)` against `generate`, each family of `STATIC_FAMILIES` (windows of 8 crossed), a ragged
-    batch in every mode: the verify step's masks per layer kind, as the eager path's."""
+    """`generate(static=...)` against `generate`, each family of `STATIC_FAMILIES` (windows and chunks of 8 crossed),
+    a ragged batch in every mode, greedy, and tree rounds with seeded sampling (the logits' family post-processing,
+    Granite's scaling, Gemma 2's soft-cap, shapes the distribution): the forward and the verify step's masks per
+    layer kind, as the eager path's."""
     target = tiny_family_model(name)
     draft, prompts = random_draft(target, 256), random_prompts(3, 256, lo=10, hi=20, seed=1)
-    for mode, tree in {"plain": None, "tree": TreeConfig(4, 4, 16), "chain": TreeConfig.chain(4)}.items():
-        kw = dict(draft=None if tree is None else draft, tree=tree, mode=mode, max_new_tokens=24)
+    sampled = dict(temperature=0.9, top_p=0.95, top_k=50, seed=7, max_new_tokens=12)
+    for mode, tree, sampling in [("plain", None, {}), ("tree", TreeConfig(4, 4, 16), {}),
+                                 ("chain", TreeConfig.chain(4), {}), ("tree", TreeConfig(4, 4, 16), sampled)]:
+        kw = dict(draft=None if tree is None else draft, tree=tree, mode=mode, **{"max_new_tokens": 24, **sampling})
         eager = generate(target, prompts, **kw).tokens
-        assert generate(target, prompts, static=StaticConfig(capacity=128, bucket=16), **kw).tokens == eager, mode
+        assert generate(target, prompts, static=StaticConfig(capacity=128, bucket=16), **kw).tokens == eager, kw
 
 
 @pytest.mark.parametrize("kind", ["diverse", "repeating"])
@@ -434,7 +440,8 @@ def test_the_gpu_benchmark_times_the_static_path_and_checks_its_tokens(tmp_path)
 @torch.inference_mode()
 def test_what_does_not_fit_is_refused_before_anything_is_written():
     """A forward past the capacity and a merge past the spare rows raise `CacheFull` and leave the cache as it was;
-    a family whose forward the path does not reproduce is refused by name (it decodes eagerly)."""
+    a target spread over several devices is refused (it decodes eagerly; every family of the matrix is on the path,
+    any other is refused by name the same way)."""
     target = tiny_family_model("llama")
     prompts = random_prompts(2, 256, lo=10, hi=20, seed=1)
     state, _ = DecodingState.prefill(target, None, prompts, GREEDY, static=StaticConfig(capacity=24))
@@ -450,8 +457,44 @@ def test_what_does_not_fit_is_refused_before_anything_is_written():
         kv.merge_(other.kv)
     assert kv.batch == 2 and all(torch.equal(a, b) for a, b in zip(after, kv.buffers()))
     assert not all(torch.equal(a, b) for a, b in zip(before, after))  # the steps before did write
-    with pytest.raises(UnsupportedTarget, match="Gemma 2: the static decoding path"):
-        StaticKV(tiny_family_model("gemma2"), 1)
+    spread = tiny_family_model("llama")
+    spread.model.layers[-1].to("meta")
+    with pytest.raises(UnsupportedTarget, match="several devices decodes eagerly"):
+        StaticKV(spread, 1)
+
+
+@torch.inference_mode()
+def test_llama4_keeps_to_its_temperature_tuning_bound_where_the_eager_path_does():
+    """Llama 4's no-RoPE layers scale queries by the cache length from `floor_scale` on (24 here: a bound of 23
+    tokens), by exactly 1 before it: up to the bound the static path gives the eager path's logits and tokens, plain
+    and tree rounds; past it a direct forward is refused as the eager one is, and a batch hands its rows to the eager
+    cache, which refuses at the same token as today (a 12-token prompt and 9, 11 or 16 new tokens). Fails when the
+    static forward's scale is not 1 (`get_seq_length`) or the eager cache it hands over is wider than its longest
+    row (a tree round's fallback then refuses earlier than today)."""
+    target = tiny_family_model("llama4")
+    target.config.floor_scale = 24
+    for layer in target.model.layers:
+        layer.self_attn.floor_scale = 24
+    draft, prompt = random_draft(target, 256), random_prompts(1, 256, lo=12, hi=13, seed=1)
+
+    def outcome(**kw):
+        try:
+            return generate(target, prompt, draft=draft, tree=TreeConfig(2, 2, 3), **kw).tokens
+        except UnsupportedTarget as err:
+            return str(err)
+
+    outcomes = []
+    for mode in ("plain", "tree"):
+        for n in (9, 11, 16):
+            eager = outcome(mode=mode, max_new_tokens=n)
+            assert outcome(mode=mode, max_new_tokens=n, static=StaticConfig(capacity=64, bucket=16)) == eager
+            outcomes.append(isinstance(eager, str))
+    assert outcomes == [False, False, True, False, True, True]  # tree rounds verify nodes past the cache: 11 refused
+    logits = [prefill(target, kv, [list(range(3, 26))], None)[0] for kv in (TargetKV(1, "cpu"), StaticKV(
+        target, 1, StaticConfig(capacity=64, bucket=16)))]  # 23 tokens: the scale still 1, the same logits
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(UnsupportedTarget, match="Llama 4: attention temperature tuning"):
+        prefill(target, StaticKV(target, 1, StaticConfig(capacity=64, bucket=16)), [list(range(3, 27))], None)
 
 
 @torch.inference_mode()
