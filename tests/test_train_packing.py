@@ -116,6 +116,12 @@ def test_the_next_steps_batches_are_prepared_while_this_one_trains():
             got.append((step.rows[0], prepared, threading.current_thread() is threading.main_thread()))
             assert started[step.rows[0] + 1].wait(timeout=60)  # the next step prepares meanwhile
     assert got == [(0, 0, True), (1, 10, True)]
+    # on a CPU device (ahead=False) each step is prepared on the caller's thread when it comes
+    threads = []
+    steps = [Step([i], {}, last=False) for i in range(3)]
+    inline = prefetched(iter(steps), lambda rows: threads.append(threading.current_thread()) or rows[0], ahead=False)
+    assert [(s.rows[0], p) for s, p in inline] == [(0, 0), (1, 1), (2, 2)]
+    assert threads == [threading.main_thread()] * 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the loop's low-precision teacher")

@@ -82,8 +82,9 @@ def _train_epochs(run: "Run") -> None:
         held_out_eval(run)  # the untrained draft: the baseline of the held-out curves, logged at step 0
     while run.state["epoch"] < run.config.epochs:
         epoch, done, data_wait, asked = run.state["epoch"], False, 0.0, time.perf_counter()
-        # The next step's host work (decoding, packing, checks, pinning) runs while this one trains.
-        for step, host in prefetched(run.batches.epoch(epoch, run.state), lambda rows: host_batches(run, rows)):
+        # On a GPU the next step's host work (decoding, packing, checks, pinning) runs while this one trains.
+        for step, host in prefetched(run.batches.epoch(epoch, run.state), lambda rows: host_batches(run, rows),
+                                     ahead=run.device.type == "cuda"):
             data_wait += time.perf_counter() - asked  # time blocked on the data, not computing
             metrics = train_one_step(run, step.rows, host)
             run.state.update(step.position, step=run.state["step"] + 1)
