@@ -55,7 +55,8 @@ from eagle_core.autotune import draft_cases, target_forward_cases, timed
 from eagle_core.decoding import clock, plain_step, prefill
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.kv import TargetKV, _cache_kwarg
-from eagle_core.static_kv import StaticConfig, StaticKV
+from eagle_core.static_kv import StaticKV
+from eagle_core.static_rows import StaticConfig
 from eagle_core.target import default_aux_layer_ids
 from eagle_core.capture import capture_features
 from eagle_core.teacher import with_targets

@@ -29,7 +29,8 @@ from eagle_core.attention import causal_mask
 from eagle_core.capture import CommittedFeatures, RowFeatures
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex, context_yield
-from eagle_core.static_kv import ROW_BUCKETS, WIDTH_BUCKETS, StaticConfig, StaticDraftKV, StaticKV, verify_width
+from eagle_core.static_kv import StaticDraftKV, StaticKV
+from eagle_core.static_rows import ROW_BUCKETS, WIDTH_BUCKETS, StaticConfig, verify_width
 from eagle_core.target import resolve_aux_layer_ids
 from eagle_core.tree import (NO_TOKEN, Tree, TreeConfig, chain_accept_length, draft_accept_length, draft_tree,
                              graft_chain)
@@ -383,10 +384,10 @@ class DecodingState:
         rows = self.batch_size if rows is None else rows
         if tokens > WIDTH_BUCKETS[-1]:
             return self._to_eager(f"a verify of {tokens} tokens is wider than the widest compiled step "
-                                  f"({WIDTH_BUCKETS[-1]}: static_kv.WIDTH_BUCKETS)")
+                                  f"({WIDTH_BUCKETS[-1]}: static_rows.WIDTH_BUCKETS)")
         if rows > ROW_BUCKETS[-1]:
             return self._to_eager(f"{rows} rows are more than the largest compiled batch ({ROW_BUCKETS[-1]}: "
-                                  "static_kv.ROW_BUCKETS)")
+                                  "static_rows.ROW_BUCKETS)")
         for name, kv, n in (("target", self.kv, tokens), ("draft", self.dkv, draft_tokens)):
             why = None if kv is None else kv.no_room(n)
             if why:

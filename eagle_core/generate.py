@@ -17,7 +17,7 @@ import torch
 
 from eagle_core.decoding import DecodingState, Step, available_modes
 from eagle_core.policy import ModeChooser
-from eagle_core.static_kv import StaticConfig
+from eagle_core.static_rows import StaticConfig
 from eagle_core.timing import timer_for
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig

@@ -239,7 +239,7 @@ def test_bad_sink_settings_stop_the_replica_before_any_model_loads(models, monke
 
 
 def test_static_caches_with_sink_features_are_refused():
-    from eagle_core.static_kv import StaticConfig
+    from eagle_core.static_rows import StaticConfig
     from pipelines.serve.engine import Engine, EngineConfig
     from pipelines.traffic import TrafficSink
     from pipelines.traffic_config import TrafficConfig

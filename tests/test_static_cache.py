@@ -26,7 +26,8 @@ from eagle_core.decoding import DecodingState, plain_step, prefill
 from eagle_core.families import UnsupportedTarget
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV, lm_logits
-from eagle_core.static_kv import CacheFull, StaticConfig, StaticKV, _first_rows
+from eagle_core.static_kv import StaticKV
+from eagle_core.static_rows import CacheFull, StaticConfig, first_rows
 from eagle_core.tree import TreeConfig, _grow, tree_from_parents
 from eagle_core.verify import SamplingConfig, accept, verify_hidden
 
@@ -411,7 +412,7 @@ def test_padding_rows_change_no_token_of_the_real_rows():
             if step == "plain":
                 outs += kv.plain_step(token[:b], SAMPLED, seeds[:b], aux_ids)
             else:
-                acc, aux = kv.verify(_first_rows(tree, b), SAMPLED, seeds[:b], aux_ids, levels)
+                acc, aux = kv.verify(first_rows(tree, b), SAMPLED, seeds[:b], aux_ids, levels)
                 outs += [acc.path, acc.accept_length, acc.bonus, aux]
         return outs + [t[:3, :, : kv.width] for t in (*kv.keys, *kv.values)] + [kv.lengths[:3]]
 

@@ -47,7 +47,7 @@ import torch
 
 from eagle_core.decoding import CONTEXT, DecodingState, available_modes
 from eagle_core.policy import ModeChooser
-from eagle_core.static_kv import StaticConfig
+from eagle_core.static_rows import StaticConfig
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 from pipelines.serve.rows import DraftRef, Event, GenerationRequest, Lane, Overloaded, Row, describe_load
