@@ -39,6 +39,7 @@ def child(lengths: list[int], micro_batch_tokens: int | None, shape: str, ttt_st
     import torch
 
     from bench.ttt import build_draft
+    from bench.ttt_packing import split_conversations
     from eagle_core.teacher import with_targets
     from eagle_core.ttt import TrainConfig, make_optimizer, make_scheduler, train_step
     from eagle_core.ttt_batch import layout_batch, pack_rows
@@ -46,12 +47,7 @@ def child(lengths: list[int], micro_batch_tokens: int | None, shape: str, ttt_st
     torch.set_num_threads(1)
     draft, _, _, batch, _ = build_draft(sum(lengths), "cpu", shape=shape)
     head = batch["target_lm_head_weight"]
-    conversations, at = [], 0
-    for n in lengths:
-        conversations.append({key: batch[name][0, at:at + n] for key, name in (
-            ("input_ids", "input_ids"), ("loss_mask", "loss_mask"), ("aux_hidden", "aux_hidden"),
-            ("last_hidden", "target_last_hidden"))})
-        at += n
+    conversations = split_conversations(batch, lengths)
     del batch
     groups = [list(range(len(lengths)))] if micro_batch_tokens is None else pack_rows(lengths, micro_batch_tokens)
     micro = [layout_batch([conversations[i] for i in sorted(g)], max(lengths[i] for i in g)) for g in groups]

@@ -22,6 +22,18 @@ from eagle_core.ttt import ttt_forward
 from eagle_core.ttt_batch import layout_batch
 
 
+def split_conversations(batch: dict, lengths: list[int]) -> list[dict]:
+    """bench.ttt's one-row random batch cut into conversations of `lengths` tokens (`layout_batch`'s input)."""
+    conversations, at = [], 0
+    for n in lengths:
+        conversations.append({"input_ids": batch["input_ids"][0, at:at + n],
+                              "loss_mask": batch["loss_mask"][0, at:at + n],
+                              "aux_hidden": batch["aux_hidden"][0, at:at + n],
+                              "last_hidden": batch["target_last_hidden"][0, at:at + n]})
+        at += n
+    return conversations
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 64, 128, 256, 96, 384, 200, 160],
@@ -34,13 +46,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     draft, _, _, batch, _ = build_draft(sum(args.lengths), "cpu", shape=args.shape)
     head = batch["target_lm_head_weight"]
-    conversations, at = [], 0
-    for n in args.lengths:
-        conversations.append({"input_ids": batch["input_ids"][0, at:at + n],
-                              "loss_mask": batch["loss_mask"][0, at:at + n],
-                              "aux_hidden": batch["aux_hidden"][0, at:at + n],
-                              "last_hidden": batch["target_last_hidden"][0, at:at + n]})
-        at += n
+    conversations = split_conversations(batch, args.lengths)
     layouts = {"one per row": layout_batch(conversations),
                f"packed into rows of {args.pack_length}": layout_batch(conversations, args.pack_length)}
 

@@ -317,7 +317,7 @@ def train_step(draft, batch, target_lm_head_weight, optimizer, scheduler, cfg: T
         micro = [{**b, "step_denominators": counts} for b in micro]
     draft.train()
     optimizer.zero_grad(set_to_none=True)
-    parts, tokens = [], 0
+    totals, tokens = None, 0  # the micro-batches' loss, step losses, accuracies and counts, summed
     for i, b in enumerate(micro):
         # counted before `prepare` moves it: on the host, where the loop's batches are, no device sync
         tokens += int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
@@ -330,13 +330,13 @@ def train_step(draft, batch, target_lm_head_weight, optimizer, scheduler, cfg: T
                 noise=cfg.noise, targets=b.get("targets"), step_denominators=b.get("step_denominators"),
                 position_ids=b.get("position_ids"))
             out.loss.backward()
-        parts.append(TTTOutput(out.loss.detach(), out.step_losses, out.step_accuracies, out.step_counts))
+        part = (out.loss.detach(), out.step_losses, out.step_accuracies, out.step_counts)
+        totals = part if totals is None else tuple(a + b for a, b in zip(totals, part))
         del out, b  # the micro-batch's graph and teacher go before the next one's
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(draft), cfg.max_grad_norm)
     optimizer.step()
     scheduler.step()
-    metrics = (parts[0] if len(parts) == 1 else TTTOutput(*(sum(f) for f in zip(
-        *[(o.loss, o.step_losses, o.step_accuracies, o.step_counts) for o in parts])))).metrics()
+    metrics = TTTOutput(*totals).metrics()
     metrics.update(grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0], tokens=tokens)
     return metrics
 

@@ -297,6 +297,15 @@ class Decision:
     moved: int  # times the champion had moved since the caller's comparison (each re-evaluated)
 
 
+def tag_evaluation(c, name: str, version: str, score: float | dict, tags: dict | None = None) -> None:
+    """Tag `version` with its evaluation: a tau under TAU_TAG, or each named tau of a dict under its name (4
+    decimals), and `tags` (how it was measured: TAU_DTYPE_TAG) as they are."""
+    for key, tau in (score if isinstance(score, dict) else {TAU_TAG: score}).items():
+        c.set_model_version_tag(name, version, key, f"{tau:.4f}")
+    for key, value in (tags or {}).items():
+        c.set_model_version_tag(name, version, key, str(value))
+
+
 def decide_promotion(name: str, version, new_tau: float | dict, observed: str | None,
                      observed_tau: float | dict | None, margin: float, evaluate_champion: Callable[[str], float | dict],
                      lease: PromotionLease | None = None, max_moves: int = 3,
@@ -340,10 +349,7 @@ def decide_promotion(name: str, version, new_tau: float | dict, observed: str | 
         promoted = champion_tau is None or (beats(new_tau, champion_tau) if beats is not None
                                             else new_tau > champion_tau + margin)
         lease.verify()  # the alias moves only while this process holds the lock
-        for key, tau in (new_tau if isinstance(new_tau, dict) else {TAU_TAG: new_tau}).items():
-            c.set_model_version_tag(name, version, key, f"{tau:.4f}")
-        for key, value in (tags or {}).items():
-            c.set_model_version_tag(name, version, key, str(value))
+        tag_evaluation(c, name, version, new_tau, tags)
         c.set_model_version_tag(name, version, DECIDED_AGAINST_TAG, observed or "none")
         if promoted and observed not in (None, version):
             c.set_model_version_tag(name, version, PREVIOUS_CHAMPION_TAG, observed)
@@ -417,9 +423,7 @@ def register_draft_folder(folder: str, name: str, alias: str | None = CHAMPION, 
     c.set_terminated(run_id)
     version = tracking.register_artifact(run_id, "draft", name, None if alias == CHAMPION else alias)
     if tau is not None:
-        c.set_model_version_tag(name, str(version), TAU_TAG, f"{tau:.4f}")
-    if tau_dtype is not None:
-        c.set_model_version_tag(name, str(version), TAU_DTYPE_TAG, tau_dtype)
+        tag_evaluation(c, name, str(version), tau, {TAU_DTYPE_TAG: tau_dtype} if tau_dtype is not None else None)
     if alias == CHAMPION:
         set_champion(name, version, expected_champion)
     return version
