@@ -53,40 +53,85 @@ def tiny_target():
     return make_tiny_llama()
 
 
+class _SessionRay:
+    """The test process's one local Ray cluster, and whether its head runs the dashboard.
+
+    The dashboard (its head process and its module processes) costs ~2.3 CPU-s to start and ~1.4 CPU-s a minute
+    while idle (measured on this 2-core machine: 2.6 against 1.2 CPU-s a minute for a head without it), ~25 CPU-s
+    per test process over a 15-minute suite. Only `ray job submit` needs it (its job API), so a cluster has one only
+    when a module that submits jobs (`RAY_JOB_API = True` at its top) asks for it: started with one if that module
+    is the first to use Ray in this process (as `make test`'s schedule makes it), restarted with one otherwise."""
+
+    def __init__(self):
+        self.cluster, self.temp_dir, self.dashboard, self.s3_env = None, None, False, None
+        self.current_item = None  # the test being set up (pytest_runtest_setup)
+
+    def start(self, dashboard: bool) -> None:
+        import ray
+        from ray._common.utils import get_default_ray_temp_dir
+        from ray.cluster_utils import Cluster
+
+        from process_helpers import free_port
+
+        # A short folder: Ray's unix sockets live under it and their paths must fit 107 bytes (pytest's own
+        # temporary folders under xdist, .../popen-gw1/ray0/session_.../sockets/..., do not: the dashboard then
+        # fails to start).
+        self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+        # Cluster also records the head's address in Ray's default folder (/tmp/ray/ray_current_cluster, whatever
+        # temp_dir says) and does not create that folder: on a machine that never ran Ray it fails without this.
+        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=4, include_dashboard=dashboard, dashboard_host="127.0.0.1", dashboard_port=0,
+            dashboard_agent_listen_port=free_port(), temp_dir=self.temp_dir, object_store_memory=None))
+        context = ray.init(address=self.cluster.address, log_to_driver=False,
+                           runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **self.s3_env}})
+        self.dashboard = dashboard
+        ray.dashboard_address = f"http://{context.dashboard_url}" if dashboard else None
+
+    def stop(self) -> None:
+        import ray
+
+        if self.cluster is not None:
+            ray.shutdown()
+            self.cluster.shutdown()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.cluster = None
+
+
+_SESSION_RAY = _SessionRay()
+
+
+def _wants_job_api(item) -> bool:
+    return item is not None and bool(getattr(item.module, "RAY_JOB_API", False))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before a job-submitting module's test sets up its fixtures: a cluster started earlier in this process
+    without the dashboard is restarted with one (pytest has torn the previous module's fixtures down by now)."""
+    if _SESSION_RAY.cluster is not None and not _SESSION_RAY.dashboard and _wants_job_api(item):
+        _SESSION_RAY.stop()
+        _SESSION_RAY.start(dashboard=True)
+    _SESSION_RAY.current_item = item
+
+
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory, s3_endpoint):
-    """One local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md).
-    Its workers reach the session's S3 endpoint, as a real cluster's nodes are configured for theirs. Its dashboard
-    (a free port; `ray.dashboard_address` names it) takes `ray job submit`, so the job-submission test needs no
-    second head (starting one cost two minutes of the suite).
+def ray_cluster(s3_endpoint):
+    """One local Ray cluster for the whole session (more logical CPUs than cores: see DESIGN.md), as the `ray`
+    module, connected. Its workers reach the session's S3 endpoint, as a real cluster's nodes are configured for
+    theirs. Where a module submits jobs, its head runs the dashboard on a free port (`ray.dashboard_address` names
+    it; None otherwise), so the job-submission test needs no second head (`_SessionRay`).
 
     The head is started through Ray's `cluster_utils.Cluster` rather than `ray.init(address="local")` because only
     the former lets every port be chosen: `ray.init` always binds the dashboard agent to 52365, so a second
     cluster on the machine (another pytest-xdist worker, another checkout's suite) has no job agent and refuses
     submissions ("No available agent to submit job")."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    from process_helpers import free_port
-
-    # A short folder: Ray's unix sockets live under it and their paths must fit 107 bytes (pytest's own temporary
-    # folders under xdist, .../popen-gw1/ray0/session_.../sockets/..., do not: the dashboard then fails to start).
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    # Cluster also records the head's address in Ray's default folder (/tmp/ray/ray_current_cluster, whatever
-    # temp_dir says) and does not create that folder: on a machine that never ran Ray it fails without this.
-    from ray._common.utils import get_default_ray_temp_dir
-
-    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-        dashboard_port=0, dashboard_agent_listen_port=free_port(), temp_dir=temp_dir, object_store_memory=None))
-    context = ray.init(address=cluster.address, log_to_driver=False,
-                       runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **s3_endpoint}})
-    ray.dashboard_address = f"http://{context.dashboard_url}"
+    _SESSION_RAY.s3_env = s3_endpoint
+    _SESSION_RAY.start(dashboard=_wants_job_api(_SESSION_RAY.current_item))
     yield ray
-    ray.shutdown()
-    cluster.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    _SESSION_RAY.stop()
 
 
 @pytest.fixture(scope="session")

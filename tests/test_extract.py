@@ -21,6 +21,8 @@ from pipelines.feature_files import committed_shards, decode_hidden, load_manife
 from process_helpers import kill_session
 
 REPO = Path(__file__).resolve().parents[1]
+# `ray job submit` goes through the dashboard's job API: the session's cluster runs it for this module (conftest).
+RAY_JOB_API = True
 
 
 def write_corpus(path: Path, n: int = 7) -> Path:
