@@ -3,10 +3,11 @@ job's reader takes as an extraction's; the sink never fails or holds up its call
 
 Properties: the shards, manifest and fingerprint are read by pipelines.train's reader (manifest, target check,
 scan, planned-row read, row decoding, collate) and hold what an extraction of the same token sequences holds (ids,
-the template's loss mask, features within fp32 rounding); a sink that is off writes nothing; a store that fails or
-hangs loses no caller's call, holds none up and counts every dropped record; a writer killed between its temporary
-file and the rename leaves no shard a reader lists; sampling, redaction, the size cap and retention do what their
-options say.
+the template's loss mask, features within fp32 rounding); a draft trained on them reaches the held-out accuracy
+that the same draft trained on the extraction's rows reaches; a sink that is off writes nothing; a store that fails
+or hangs loses no caller's call, holds none up and counts every dropped record; a writer killed between its
+temporary file and the rename leaves no shard a reader lists; sampling, redaction, the size cap and retention do
+what their options say.
 """
 
 import os
@@ -75,62 +76,98 @@ def test_served_loss_mask_is_the_templates_on_a_multi_turn_chat(smollm2_tokenize
     assert served_loss_mask(None, None, prompt, len(answer)) == [0] * len(prompt) + [1] * len(answer)
 
 
-@torch.inference_mode()
-def test_sink_shards_train_like_an_extraction(tiny_target_dir, smollm2_tokenizer, tmp_path):
-    """Two chats decoded with capture by a tiny target (SmolLM2's tokenizer and template) go through the sink; the
-    training job's reader takes its output as it takes an extraction's, and every row equals the extraction's row of
-    the same sequence (`eagle_core.features.featurize`): ids, mask, features (fp32 rounding), the last position
-    aside (never computed: zeros, which no TTT step reads)."""
+HEAD_SCALE = 30.0  # the served target's lm_head, sharpened (the `served` fixture says why)
+SUBJECTS = ["colors", "planets", "rivers", "metals", "birds", "fruits"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target_dir, smollm2_tokenizer, tmp_path_factory):
+    """Eight chats (one multi-turn; answers of 7, 5 and six of 16 tokens) decoded greedily together, with capture,
+    by a tiny target (SmolLM2's tokenizer and template), recorded by the sink, read back by the training job's
+    reader; beside them a fresh extraction (`eagle_core.features.featurize`) of the same token sequences. Built once
+    for the module.
+
+    The target is the session's tiny Llama with its lm_head scaled by HEAD_SCALE: a random Llama's next-token
+    distribution over 49 152 tokens is nearly flat (top probability ~4e-5), so TTT's soft labels (the target's
+    distribution) carry almost nothing for a handful of steps to learn. Scaling the head leaves the greedy answers
+    and every hidden state (the features) as they were."""
     from transformers import AutoModelForCausalLM
 
     from decode_helpers import random_draft
     from eagle_core.features import featurize
-    from eagle_core.target import default_aux_layer_ids
-    from pipelines.extract import ExtractConfig, extraction_fingerprint
-    from pipelines.train.batches import collate, decode_row
-    from pipelines.train.driver import check_features_target
-    from pipelines.train.plan import scan_features, split_heldout
+    from pipelines.train.batches import decode_row
+    from pipelines.train.plan import scan_features
     from pipelines.train.shards import read_items, read_planned_rows
     from test_traffic_capture import decode_capturing
 
     tok = smollm2_tokenizer
+    folder = tmp_path_factory.mktemp("sharp-target")
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(HEAD_SCALE)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
     chats = [[{"role": "user", "content": "Name three primary colors."}],
              [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"},
               {"role": "user", "content": "What is 2 + 2?"}]]
+    chats += [[{"role": "user", "content": f"Name three {subject}."}] for subject in SUBJECTS]
     prompts = [prompt_ids(tok, m) for m in chats]
-    decoded = decode_capturing(model, random_draft(model, 1024), prompts, [7, 5], ["tree", "plain"])
-    url = str(tmp_path / "traffic")
-    sink = TrafficSink(TrafficConfig(url=url, target=str(tiny_target_dir), rows_per_shard=2), tokenizer=tok,
+    with torch.inference_mode():
+        decoded = decode_capturing(model, random_draft(model, 1024), prompts, [7, 5] + [16] * len(SUBJECTS),
+                                   ["tree", "plain"])
+    url = str(tmp_path_factory.mktemp("served") / "traffic")
+    sink = TrafficSink(TrafficConfig(url=url, target=str(folder), rows_per_shard=4), tokenizer=tok,
                        dtype=torch.float32)
-    for i, (messages, prompt, (answer, aux, last)) in enumerate(zip(chats, prompts, decoded)):
-        assert sink.record(prompt, answer, RowFeatures(aux, last), messages=messages, request_id=f"chat-{i}")
+    recorded = [sink.record(prompt, answer, RowFeatures(aux, last), messages=messages, request_id=f"chat-{i}")
+                for i, (messages, prompt, (answer, aux, last)) in enumerate(zip(chats, prompts, decoded))]
     sink.close()
-    assert sink.stats()["rows"] == 2 and sink.stats()["dropped"] == {}
 
     # the training job's reader, step by step (pipelines.train.driver._files_data without Ray)
     manifest = load_manifest(url)
-    check_features_target(url, manifest, str(tiny_target_dir))
-    assert manifest.rows == 2 and len(manifest.shards) == 1 and manifest.dtype == "float32"
-    assert manifest.aux_layer_ids == default_aux_layer_ids(model.config.num_hidden_layers)
-    extraction = extraction_fingerprint(ExtractConfig(target=str(tiny_target_dir)), tiny_target_dir, model.config,
-                                        "cpu")
-    assert set(manifest.fingerprint) == set(extraction)  # the same fields, compared the same way
-    assert {k: manifest.fingerprint[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")} == \
-        {k: extraction[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")}
     scanned = scan_features(url, [s.name for s in manifest.shards])
-    train_rows, eval_rows = split_heldout(scanned, 0.5)
-    assert len(train_rows) == len(eval_rows) == 1
     entries = [{**r, "step": 0, "slot": k} for k, r in enumerate(scanned)]
     meta = {"target_hidden_size": manifest.target_hidden_size, "dtype": manifest.dtype}
     table = read_planned_rows(pa.Table.from_pylist(read_items(entries)))
     rows = {r["id"]: decode_row(r, meta) for r in table.to_pylist()}
 
-    expected = []
-    for i, (messages, prompt, (answer, _, _)) in enumerate(zip(chats, prompts, decoded)):
-        expected.append((f"chat-{i}", prompt + answer, served_loss_mask(tok, messages, prompt, len(answer))))
-    reference = featurize(model, expected, manifest.aux_layer_ids)
-    for ref in reference:
+    tokenized = [(f"chat-{i}", prompt + answer, served_loss_mask(tok, messages, prompt, len(answer)))
+                 for i, (messages, prompt, (answer, _, _)) in enumerate(zip(chats, prompts, decoded))]
+    with torch.inference_mode():
+        reference = featurize(model, tokenized, manifest.aux_layer_ids)
+    # out of inference mode (a draft trains on them): the extraction's rows as the reader decodes a row
+    extracted = {r.id: {"id": r.id, "slot": 0, "input_ids": r.input_ids.long(), "loss_mask": r.loss_mask.long(),
+                        "aux_hidden": r.aux_hidden.clone(), "last_hidden": r.last_hidden.clone()} for r in reference}
+    return SimpleNamespace(model=model, folder=folder, chats=chats, prompts=prompts, url=url, sink=sink,
+                           recorded=recorded, manifest=manifest, scanned=scanned, meta=meta, rows=rows,
+                           reference=reference, extracted=extracted)
+
+
+def test_sink_shards_train_like_an_extraction(served):
+    """Eight chats decoded with capture go through the sink; the training job's reader takes its output as it takes
+    an extraction's, and every row equals the extraction's row of the same sequence
+    (`eagle_core.features.featurize`): ids, mask, features (fp32 rounding), the last position aside (never
+    computed: zeros, which no TTT step reads)."""
+    from eagle_core.target import default_aux_layer_ids
+    from pipelines.extract import ExtractConfig, extraction_fingerprint
+    from pipelines.train.batches import collate
+    from pipelines.train.driver import check_features_target
+    from pipelines.train.plan import split_heldout
+
+    model, url, manifest, rows, n_chats = served.model, served.url, served.manifest, served.rows, len(served.chats)
+    assert all(served.recorded)
+    assert served.sink.stats()["rows"] == n_chats and served.sink.stats()["dropped"] == {}
+    check_features_target(url, manifest, str(served.folder))
+    assert manifest.rows == n_chats and len(manifest.shards) == 2 and manifest.dtype == "float32"
+    assert manifest.aux_layer_ids == default_aux_layer_ids(model.config.num_hidden_layers)
+    extraction = extraction_fingerprint(ExtractConfig(target=str(served.folder)), served.folder, model.config, "cpu")
+    assert set(manifest.fingerprint) == set(extraction)  # the same fields, compared the same way
+    assert {k: manifest.fingerprint[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")} == \
+        {k: extraction[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")}
+    train_rows, eval_rows = split_heldout(served.scanned, 0.5)
+    assert len(train_rows) + len(eval_rows) == n_chats and train_rows and eval_rows
+    assert sorted(rows) == sorted(r["id"] for r in served.scanned)
+
+    for ref in served.reference:
         got = rows[ref.id]
         assert got["input_ids"].tolist() == ref.input_ids.tolist()
         assert got["loss_mask"].tolist() == ref.loss_mask.tolist()
@@ -138,9 +175,94 @@ def test_sink_shards_train_like_an_extraction(tiny_target_dir, smollm2_tokenizer
         torch.testing.assert_close(got["aux_hidden"][:n], ref.aux_hidden[:n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["last_hidden"][:n], ref.last_hidden[:n], rtol=1e-5, atol=1e-5)
         assert got["aux_hidden"][n].abs().sum() == 0 or torch.allclose(got["aux_hidden"][n], ref.aux_hidden[n])
-    assert rows["chat-1"]["loss_mask"][: len(prompts[1])].sum() > 0  # the earlier assistant turn trains too
-    batch = collate(list(rows.values()), meta, ttt_steps=3, device="cpu")
+    assert rows["chat-1"]["loss_mask"][: len(served.prompts[1])].sum() > 0  # the earlier assistant turn trains too
+    batch = collate(list(rows.values()), served.meta, ttt_steps=3, device="cpu")
     assert batch["aux_hidden"].shape[-1] == 3 * model.config.hidden_size
+
+
+TRAIN_STEPS, TTT_STEPS, DRAFT_VOCAB, LR = 24, 2, 256, 1e-2
+
+
+def test_a_draft_trained_on_sink_rows_reaches_the_extractions_held_out_accuracy(served):
+    """The same random draft (the job's `build_draft`, seed 0) trained TRAIN_STEPS optimiser steps (the job's
+    `train_step` on the job's collated batches, TTT_STEPS TTT steps, fp32) once on the sink's training rows and
+    once on the fresh extraction's rows of the same conversations, then evaluated (the job's `evaluate`) on the
+    extraction's rows of the held-out conversations (the job's id-hash split): the same held-out accuracy per TTT
+    step, and both drafts learned.
+
+    Tolerances. Accuracy: equal within one held-out position per TTT step (an argmax near a tie may flip between two
+    float runs). Held-out loss: within 1e-3 relative. The sink's features equal the extraction's within 1e-5 relative
+    (fp32 summation order, previous test) and the two runs' held-out losses differ by ~1e-6 relative (measured).
+    Measured with the sink's training rows perturbed: noise of 1e-5 of each position's largest feature moved the
+    held-out loss by ~8e-6 relative (passes: the error this comparison allows), 1e-4 by ~5e-4 (passes), 1e-3 by
+    ~9e-3 and 2 positions (fails), all features scaled by 1.01 by ~3e-3 (fails), features shifted by one position
+    by ~19 % and 11 positions (fails). LR keeps that growth small: at 3e-2 the unperturbed runs already differ by
+    ~5e-5 and learn less."""
+    from collections import Counter
+
+    from eagle_core.ttt import make_optimizer, make_scheduler, train_step
+    from pipelines.train.batches import collate
+    from pipelines.train.config import TrainJobConfig
+    from pipelines.train.lineage import Lineage
+    from pipelines.train.metrics import evaluate
+    from pipelines.train.model import TTTObjective, build_draft, load_target_heads, vocab_from_counts
+    from pipelines.train.plan import split_heldout
+
+    cpu = torch.device("cpu")
+    manifest = served.manifest
+    train_ids, eval_ids = ([r["id"] for r in part] for part in split_heldout(served.scanned, 0.5))
+    config = TrainJobConfig(features=served.url, target=str(served.folder), draft_vocab_size=DRAFT_VOCAB,
+                            ttt_steps=TTT_STEPS, lr=LR, warmup_steps=0)
+    tcfg = config.train_config(TRAIN_STEPS)
+    heads = load_target_heads(str(served.folder), cpu)
+    head = heads["lm_head"]
+    # the draft vocabulary from the manifest's loss-token counts, as the job builds it; the extraction's rows count
+    # the same tokens, so a draft trained on either has the same vocabulary
+    extracted_counts = Counter()
+    for r in served.extracted.values():
+        extracted_counts.update(r["input_ids"][r["loss_mask"].bool()].tolist())
+    assert dict(extracted_counts) == manifest.token_counts
+    d2t, t2d = vocab_from_counts(manifest.token_counts, served.model.config.vocab_size, DRAFT_VOCAB)
+    lineage = Lineage.of_features(served.url, manifest)
+
+    def batch(rows: list[dict]) -> dict:  # one conversation per row, as `loop.host_batches` lays a step out
+        return collate(rows, served.meta, TTT_STEPS, cpu, config.row_length([len(r["input_ids"]) for r in rows]))
+
+    def held_out(draft) -> dict:
+        held = batch([served.extracted[i] for i in eval_ids])
+        return evaluate(TTTObjective(draft, autocast=False), draft, [held], head, TTT_STEPS, config.step_decay, cpu)
+
+    def trained_on(rows: dict) -> tuple[dict, list[dict]]:
+        draft = build_draft(config, served.model.config, heads, d2t, t2d, lineage)  # seeded: the same start
+        objective = TTTObjective(draft, autocast=False)
+        optimizer = make_optimizer(draft, tcfg)
+        scheduler = make_scheduler(optimizer, tcfg)
+        # every step trains on the same rows: the teacher (the target's distribution from their last_hidden) is
+        # computed once, as `loop.train_one_step`'s `prepare` would compute it each step
+        step_batch = objective.teacher(batch([rows[i] for i in train_ids]), head)
+        history = [train_step(draft, step_batch, head, optimizer, scheduler, tcfg,
+                              forward=lambda _draft, *a, **k: objective(*a, **k)) for _ in range(TRAIN_STEPS)]
+        return held_out(draft), history
+
+    untrained = held_out(build_draft(config, served.model.config, heads, d2t, t2d, lineage))
+    on_sink, sink_history = trained_on(served.rows)
+    on_extraction, extraction_history = trained_on(served.extracted)
+
+    positions = on_sink["eval_positions"]
+    assert positions == on_extraction["eval_positions"] > 0
+    accuracies = {k: (untrained[f"eval_acc_{k}"], on_sink[f"eval_acc_{k}"], on_extraction[f"eval_acc_{k}"])
+                  for k in range(TTT_STEPS)}
+    print(f"held-out accuracy per TTT step (untrained, on the sink's rows, on the extraction's) over "
+          f"{positions:.0f} positions: {accuracies}; held-out loss {untrained['eval_loss']:.4f} -> "
+          f"{on_sink['eval_loss']:.6f} / {on_extraction['eval_loss']:.6f}; training loss "
+          f"{sink_history[0]['loss']:.4f} -> {sink_history[-1]['loss']:.4f} / {extraction_history[-1]['loss']:.4f}")
+    for k, (before, sink_acc, extraction_acc) in accuracies.items():
+        assert abs(sink_acc - extraction_acc) <= 1 / positions + 1e-9, (k, sink_acc, extraction_acc)
+    assert on_sink["eval_loss"] == pytest.approx(on_extraction["eval_loss"], rel=1e-3)
+    # both learned: well above the untrained draft's held-out accuracy, and the held-out loss fell
+    for trained in (on_sink, on_extraction):
+        assert trained["eval_acc_0"] > untrained["eval_acc_0"] + 0.1, (untrained["eval_acc_0"], trained["eval_acc_0"])
+        assert trained["eval_loss"] < 0.8 * untrained["eval_loss"]
 
 
 # ---- off, failing stores, a killed writer --------------------------------------------------------------------
