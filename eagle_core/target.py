@@ -147,15 +147,31 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
 
 @contextmanager
 def _one_gguf_parse():
-    """Within the block, every `gguf.GGUFReader` of one file is the one made first.
+    """Within the block, every `gguf.GGUFReader` of one file is the one made first, and transformers' metadata
+    parse (`load_gguf_checkpoint` without tensors) of one file runs once.
 
     transformers opens a GGUF file anew for the tokenizer, for the config (once per `from_pretrained` call) and for
     the weights, and each opening parses all metadata in Python, one numpy view per vocabulary string: with Gemma
     3's 262 144 tokens that is ~15 s a parse on this CPU, four times per conversion. The reader is a read-only
-    memory map that transformers only reads, so one serves them all."""
+    memory map that transformers only reads, so one serves them all. Each `load_gguf_checkpoint` call then turns
+    every field into Python values again (~4 s for Gemma 3): the three calls for the config (the tokenizer's auto
+    class, the model's and our own `AutoConfig`) get copies of the first one's result; the weights' call (with
+    tensors) still parses once more."""
+    import copy
+
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     original, readers = gguf.GGUFReader, {}
+    original_load, parsed = gguf_utils.load_gguf_checkpoint, {}
+
+    def parsed_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original_load(path, return_tensors=return_tensors, **kwargs)
+        key = os.path.realpath(path)
+        if key not in parsed:
+            parsed[key] = original_load(path)
+        return copy.deepcopy(parsed[key])  # callers edit what they get (config keys are popped)
 
     def shared_reader(path, *args, **kwargs):
         key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
@@ -163,11 +179,12 @@ def _one_gguf_parse():
             readers[key] = original(path, *args, **kwargs)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader  # transformers imports it from the module at each call
+    # transformers imports both from their modules at each call
+    gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = shared_reader, parsed_once
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = original, original_load
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = None) -> None:

@@ -100,10 +100,16 @@ class CountingReader(gguf.GGUFReader):  # counts how often the GGUF's metadata i
         parses.append(args[0])
         super().__init__(*args, **kwargs)
 gguf.GGUFReader = CountingReader
+from transformers import modeling_gguf_pytorch_utils as gguf_utils
+loads, original_load = [], gguf_utils.load_gguf_checkpoint
+def counting_load(path, return_tensors=False, **kwargs):  # counts the metadata-only parses into Python values
+    loads.append(return_tensors)
+    return original_load(path, return_tensors=return_tensors, **kwargs)
+gguf_utils.load_gguf_checkpoint = counting_load
 from eagle_core.target import materialize_hf_folder
 folder = materialize_hf_folder("smollm2-135m")
 digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-print("RESULT", folder, digest, len(parses))
+print("RESULT", folder, digest, f"{loads.count(False)}+{loads.count(True)}", len(parses))
 """
 
 
@@ -111,8 +117,9 @@ print("RESULT", folder, digest, len(parses))
 def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
     """Three processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
     extraction actors start together) all succeed, agree on one folder with identical weights, and leave no
-    temporary folder behind; one of them converts, parsing the GGUF's metadata once (not once per tokenizer,
-    config and weights: `_one_gguf_parse`)."""
+    temporary folder behind; one of them converts, reading the GGUF's metadata once (not once per tokenizer,
+    config and weights: `_one_gguf_parse`) and turning it into Python values once for the configs and once with
+    the weights (not four times)."""
     import os
     import subprocess
     import sys
@@ -127,6 +134,8 @@ def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
         assert p.returncode == 0, err[-3000:]
         results.append(next(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT")))
     assert sorted(int(r.pop()) for r in results) == [0, 0, 1], results  # the converter parsed once
+    # ... and turned the metadata into Python values once for the tokenizer and configs, once with the weights
+    assert sorted(r.pop() for r in results) == ["0+0", "0+0", "1+1"], results
     assert len({tuple(r) for r in results}) == 1, results
     folder = results[0][0]
     leftovers = [p.name for p in (cache / "targets").iterdir() if ".tmp" in p.name]
