@@ -10,16 +10,25 @@ Properties:
   row's category label is in its shard's summary (`row_meta`, `categories`); every prefill of that replica ran
   with capture; /metrics counts what was offered and written.
 - With the sink off: no sink object, no prefill with capture, no traffic_* metric, nothing written.
-- A store that fails every write (the URL lies under a regular file) loses no request: every request answers 200,
-  and /metrics counts each record dropped with reason "store_error".
+- A store that fails every write at once (the URL lies under a regular file; a full disk fails as fast) or one that
+  does not answer (every call waits HANG_S, then fails as a connection timeout does) loses no request: every request
+  answers 200, /metrics counts each record dropped with reason "store_error", and none is delayed by more than one
+  round: measured on the engine's thread (the time it spends handing finished rows to the sink, against the rounds
+  measured on the same engine) and on a stream decoding while the others finish (its gaps between events).
 """
 
 import concurrent.futures
 import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
 
+import fsspec
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from decode_helpers import echo_draft, single_thread  # noqa: F401 (autouse: 1 torch thread in this process)
 from serve_helpers import metric, replica_app, save_target, uvicorn_thread
@@ -202,24 +211,178 @@ def test_sink_on_answers_as_off_and_writes_what_was_served(models, tmp_path):
     assert metric(text, "eagle3_serve_traffic_dropped_total", reason="engine_error") == 0
 
 
-def test_a_failing_store_loses_no_request_and_counts_drops(models, tmp_path):
+HANG_S = 0.25  # an unreachable store's every call waits this long before it fails (~10 rounds here)
+STREAM_TOKENS = 64  # the stream's max_tokens (the replica's limit): it decodes while the other requests come and go
+
+
+class UnreachableStore(MemoryFileSystem):
+    """An object store that does not answer: every call waits HANG_S, then fails as a connection timeout does."""
+
+    protocol = "unreachable"
+
+    def _no_answer(self, *args, **kwargs):
+        time.sleep(HANG_S)
+        raise ConnectionError(f"the store did not answer within {HANG_S} s")
+
+    exists = ls = info = pipe_file = cat_file = _open = _no_answer
+
+
+fsspec.register_implementation("unreachable", UnreachableStore, clobber=True)
+
+
+@dataclass
+class EngineClock:
+    """The engine thread's steps (each round and prefill): when each ran (monotonic) and how much of it went to the
+    sink's hand-overs (`Engine._to_sink`: a finished row offered to the sink, before its "done" event and before the
+    next step of every other row)."""
+
+    steps: list = field(default_factory=list)  # (kind, start, end, hand-over seconds in it)
+    offers: list = field(default_factory=list)  # monotonic end of each hand-over
+    emitted: list = field(default_factory=list)  # when the engine sent each text delta of the stream (STREAM_TOKENS)
+    handing: float = 0.0  # hand-over seconds of the step running now
+
+    def rounds(self) -> list[float]:
+        """Each round's seconds without the hand-overs in it."""
+        return [end - start - handing for kind, start, end, handing in self.steps if kind == "round"]
+
+    def own_work(self, a: float, b: float) -> float:
+        """The engine's decoding between monotonic times a and b: its steps' time there, less the hand-overs (a step
+        partly inside counts in proportion)."""
+        total = 0.0
+        for _, start, end, handing in self.steps:
+            inside = max(0.0, min(b, end) - max(a, start))
+            if inside:
+                total += inside * (1 - handing / (end - start))
+        return total
+
+
+@pytest.fixture
+def engine_clock(monkeypatch):
+    """Times the engine's loop (`EngineClock`) and when it sends the stream's deltas."""
+    from pipelines.serve.engine import Engine
+
+    clock = EngineClock()
+    real_round, real_prefill, real_to_sink, real_submit = (Engine._round, Engine._prefill_group, Engine._to_sink,
+                                                           Engine.submit)
+
+    def timed(kind, run):
+        clock.handing, start = 0.0, time.monotonic()
+        try:
+            return run()
+        finally:
+            clock.steps.append((kind, start, time.monotonic(), clock.handing))
+
+    def to_sink(self, state, row, index):
+        start = time.monotonic()
+        try:
+            return real_to_sink(self, state, row, index)
+        finally:
+            clock.offers.append(time.monotonic())
+            clock.handing += clock.offers[-1] - start
+
+    def submit(self, request):
+        if request.max_tokens == STREAM_TOKENS:  # the stream's request (no other asks for as many)
+            on_event = request.on_event
+
+            def timed_event(event):
+                if event.kind == "delta":
+                    clock.emitted.append(time.monotonic())
+                on_event(event)
+
+            request.on_event = timed_event
+        return real_submit(self, request)
+
+    monkeypatch.setattr(Engine, "_round", lambda self, lane: timed("round", lambda: real_round(self, lane)))
+    monkeypatch.setattr(Engine, "_prefill_group", lambda self, key, group, rows: timed(
+        "prefill", lambda: real_prefill(self, key, group, rows)))
+    monkeypatch.setattr(Engine, "_to_sink", to_sink)
+    monkeypatch.setattr(Engine, "submit", submit)
+    return clock
+
+
+def stream_arrivals(url, started: threading.Event) -> list[float]:
+    """A streamed completion of STREAM_TOKENS tokens; the monotonic arrival time of each chunk that carries text
+    (one per delta event of the engine). `started` is set once a few have come (the stream decodes at its pace)."""
     import httpx
 
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    service = start(models, traffic_url=str(blocker / "traffic"), traffic_rows_per_shard=1)
+    arrivals = []
+    body = {"prompt": "Once upon a time there was", "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[len("data: "):])["choices"][0]["text"]:
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 3:
+                    started.set()
+    started.set()
+    return arrivals
+
+
+@pytest.mark.parametrize("store", ["failing", "unreachable"])
+def test_a_failing_store_loses_no_request_delays_none_and_counts_drops(models, tmp_path, engine_clock, store):
+    """A store that fails every write at once (a path under a regular file) or never answers (UnreachableStore):
+    a stream decodes while the `ask` requests join, decode and finish, each finished row handed to the sink on the
+    engine's thread. Every request is answered, every record is dropped and counted, and no request waits more than a
+    round for the sink: a step's hand-overs take at most a round, and a gap between two of the stream's events is at
+    most the engine's own decoding in it plus a round (test_serve_champion's bound of two rounds per gap, with the
+    rounds that ran in the gap measured instead of assumed). Each fails on its own with a sink that writes on the
+    caller's thread (checked by hand with the unreachable store: 0.50 s in one step, where two rows finished, and a
+    stream event 0.47 s late, against bounds of ~0.08 s; the failing store fails at once, so it delays nothing even
+    then)."""
+    import httpx
+
+    if store == "failing":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("not a folder")
+        traffic_url = str(blocker / "traffic")
+    else:
+        traffic_url = f"unreachable://{tmp_path.name}/traffic"
+    service = start(models, traffic_url=traffic_url, traffic_rows_per_shard=1)
     try:
-        with uvicorn_thread(replica_app(service)) as url:
+        with uvicorn_thread(replica_app(service)) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streaming = threading.Event()
+            stream = pool.submit(stream_arrivals, url, streaming)
+            assert streaming.wait(60)
             served = ask(url)  # every request answered 200 (ask asserts it)
+            arrivals = stream.result()
             service.traffic.flush(60)
             text = httpx.get(f"{url}/metrics").text
     finally:
         service.close()
     assert all(answer_text(b) for b in served)
-    assert metric(text, "eagle3_serve_traffic_records_total", outcome="offered") == len(served)
-    assert metric(text, "eagle3_serve_traffic_dropped_total", reason="store_error") == len(served)
+    offered = len(served) + 1  # and the stream
+    assert metric(text, "eagle3_serve_traffic_records_total", outcome="offered") == offered
+    assert metric(text, "eagle3_serve_traffic_dropped_total", reason="store_error") == offered
     assert metric(text, "eagle3_serve_traffic_records_total", outcome="written") == 0
     assert service.traffic.stats()["last_error"].startswith("store_error")
+
+    # delays, against the rounds measured on this engine (without the hand-overs in them)
+    clock = engine_clock
+    rounds = clock.rounds()
+    round_s, p90 = statistics.median(rounds), sorted(rounds)[int(0.9 * (len(rounds) - 1))]
+    assert len(clock.offers) == offered
+    # on the engine's thread: the hand-overs of one step (which hold up every row's next event and the finished rows'
+    # "done") take at most one round, plus 50 ms for this shared machine's scheduling (the HTTP threads and the
+    # sink's writer share its two cores and the GIL with the engine's thread)
+    worst = max(handing for *_, handing in clock.steps)
+    assert worst <= p90 + 0.05, (f"handing finished rows to the sink held the engine {worst:.3f} s in one step; a "
+                                 f"round takes {round_s:.3f} s (p90 {p90:.3f} s)")
+    # on the stream, which decoded while every other request joined and finished: each gap between two of its text
+    # chunks, less the engine's own decoding between the two deltas' sending (its rounds and prefills: a round
+    # slowed by the machine is no sink's doing), is at most one round (the sink's hand-overs, the delivery) plus the
+    # same slack
+    emitted = clock.emitted
+    assert len(emitted) == len(arrivals)
+    # every hand-over but the last (the stream's own) came before the stream's last delta
+    assert max(clock.offers[:-1]) < emitted[-1], "the stream ended before the other requests finished"
+    waited = [(b - a) - clock.own_work(sent_a, sent_b)
+              for a, b, sent_a, sent_b in zip(arrivals, arrivals[1:], emitted, emitted[1:])]
+    assert max(waited) <= p90 + 0.05, (f"a stream event waited {max(waited):.3f} s beyond the engine's decoding; a "
+                                       f"round takes {round_s:.3f} s (p90 {p90:.3f} s)")
+    print(f"{store} store: {len(rounds)} rounds, median {round_s * 1e3:.1f} ms (p90 {p90 * 1e3:.1f} ms); "
+          f"{len(clock.offers)} hand-overs, the worst step's {worst * 1e3:.2f} ms; {len(waited)} stream gaps, "
+          f"longest {max(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3:.1f} ms, waited beyond the decoding "
+          f"at most {max(waited) * 1e3:.1f} ms (bound {(p90 + 0.05) * 1e3:.1f} ms)")
 
 
 def test_bad_sink_settings_stop_the_replica_before_any_model_loads(models, monkeypatch):
