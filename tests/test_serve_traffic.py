@@ -327,8 +327,8 @@ def test_a_failing_store_loses_no_request_delays_none_and_counts_drops(models, t
     most the engine's own decoding in it plus a round (test_serve_champion's bound of two rounds per gap, with the
     rounds that ran in the gap measured instead of assumed). Each fails on its own with a sink that writes on the
     caller's thread (checked by hand with the unreachable store: 0.50 s in one step, where two rows finished, and a
-    stream event 0.47 s late, against bounds of ~0.08 s; the failing store fails at once, so it delays nothing even
-    then)."""
+    stream event 0.47 s late, against bounds of ~0.08 and ~0.13 s; the failing store fails at once, so it delays
+    nothing even then)."""
     import httpx
 
     if store == "failing":
@@ -369,20 +369,22 @@ def test_a_failing_store_loses_no_request_delays_none_and_counts_drops(models, t
                                  f"round takes {round_s:.3f} s (p90 {p90:.3f} s)")
     # on the stream, which decoded while every other request joined and finished: each gap between two of its text
     # chunks, less the engine's own decoding between the two deltas' sending (its rounds and prefills: a round
-    # slowed by the machine is no sink's doing), is at most one round (the sink's hand-overs, the delivery) plus the
-    # same slack
+    # slowed by the machine is no sink's doing), is at most one round (the sink's hand-overs, the delivery) plus
+    # 100 ms: the chunk also crosses the server's event loop and the client's thread, which the other test process
+    # and its Ray workers can keep off the two cores for tens of ms in CI (a sink writing on the engine's thread
+    # waited 0.47 s here)
     emitted = clock.emitted
     assert len(emitted) == len(arrivals)
     # every hand-over but the last (the stream's own) came before the stream's last delta
     assert max(clock.offers[:-1]) < emitted[-1], "the stream ended before the other requests finished"
     waited = [(b - a) - clock.own_work(sent_a, sent_b)
               for a, b, sent_a, sent_b in zip(arrivals, arrivals[1:], emitted, emitted[1:])]
-    assert max(waited) <= p90 + 0.05, (f"a stream event waited {max(waited):.3f} s beyond the engine's decoding; a "
-                                       f"round takes {round_s:.3f} s (p90 {p90:.3f} s)")
+    assert max(waited) <= p90 + 0.1, (f"a stream event waited {max(waited):.3f} s beyond the engine's decoding; a "
+                                      f"round takes {round_s:.3f} s (p90 {p90:.3f} s)")
     print(f"{store} store: {len(rounds)} rounds, median {round_s * 1e3:.1f} ms (p90 {p90 * 1e3:.1f} ms); "
           f"{len(clock.offers)} hand-overs, the worst step's {worst * 1e3:.2f} ms; {len(waited)} stream gaps, "
           f"longest {max(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3:.1f} ms, waited beyond the decoding "
-          f"at most {max(waited) * 1e3:.1f} ms (bound {(p90 + 0.05) * 1e3:.1f} ms)")
+          f"at most {max(waited) * 1e3:.1f} ms (bound {(p90 + 0.1) * 1e3:.1f} ms)")
 
 
 def test_bad_sink_settings_stop_the_replica_before_any_model_loads(models, monkeypatch):
