@@ -118,8 +118,8 @@ def test_concurrent_first_conversion_into_an_empty_cache(tmp_path):
     """Three processes converting the GGUF at once into an empty cache (the first `make demo`: regeneration and
     extraction actors start together) all succeed, agree on one folder with identical weights, and leave no
     temporary folder behind; one of them converts, reading the GGUF's metadata once (not once per tokenizer,
-    config and weights: `_one_gguf_parse`) and turning it into Python values once for the configs and once with
-    the weights (not four times)."""
+    config and weights: `eagle_core.gguf_convert.one_gguf_parse`) and turning it into Python values once for the
+    configs and once with the weights (not four times)."""
     import os
     import subprocess
     import sys
