@@ -77,8 +77,17 @@ class _SessionRay:
         # temporary folders under xdist, .../popen-gw1/ray0/session_.../sockets/..., do not: the dashboard then
         # fails to start).
         self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-        # Cluster also records the head's address in Ray's default folder (/tmp/ray/ray_current_cluster, whatever
-        # temp_dir says) and does not create that folder: on a machine that never ran Ray it fails without this.
+        # Cluster also records the head's address in Ray's default folder (RAY_TMPDIR/ray/ray_current_cluster,
+        # /tmp/ray/... without it, whatever temp_dir says), and a Ray worker that asks the state API without an
+        # address (Ray Train's placement-group cleaner asks whether its controller is alive) looks the cluster up
+        # there. Shared by two test processes' clusters, that file names the one started last: the other's cleaner
+        # then asked a foreign dashboard, was told its live controller did not exist, and removed its run's
+        # placement group, killing the training workers (a CI run's "Destroying worker since its placement group
+        # was removed"). So each cluster gets a folder of its own: RAY_TMPDIR is exported while its processes
+        # start, which inherit it, and removed after, so that no later subprocess of this test process (another
+        # test's `ray start`) records its own cluster there. Cluster does not create the folder.
+        saved = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = self.temp_dir
         os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
         # No log monitor: it scans the session's log files ten times a second to forward them to drivers, and
         # this driver takes none (log_to_driver=False): ~20 CPU-s per cluster over a suite, measured here.
@@ -91,6 +100,10 @@ class _SessionRay:
         # setup_worker.py, a second interpreter that imports Ray before exec'ing the worker (~0.4 CPU-s per worker,
         # ~150 workers in a suite).
         context = ray.init(address=self.cluster.address, log_to_driver=False)
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR")
+        else:
+            os.environ["RAY_TMPDIR"] = saved
         self.dashboard = dashboard
         ray.dashboard_address = f"http://{context.dashboard_url}" if dashboard else None
 

@@ -20,6 +20,25 @@ def test_a_task_computes_on_as_many_threads_as_whole_cpus_it_holds(ray_cluster):
     assert ray_cluster.get(threads_in_a_reused_worker.options(num_cpus=0.25).remote()) == (1, 1)
 
 
+def test_a_worker_that_looks_its_cluster_up_finds_its_own(ray_cluster):
+    """Ray Train's placement-group cleaner asks the state API, without an address, whether its controller lives; the
+    address comes from the cluster's address file. The session cluster's file is its own, not the machine-wide one
+    that every cluster started later on the machine (the other test process's, another checkout's) overwrites: a
+    cleaner told by a foreign cluster that its controller does not exist removes the run's placement group."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    @ray_cluster.remote(num_cpus=0)
+    def lookup():
+        from ray._common.utils import get_ray_address_file
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        return get_ray_address_file(None), canonicalize_bootstrap_address_or_die(None)
+
+    address_file, address = ray_cluster.get(lookup.remote())
+    assert address == ray_cluster.get_runtime_context().gcs_address
+    assert not address_file.startswith(get_default_ray_temp_dir() + "/")  # this process's default: the machine's
+
+
 def test_outside_a_task_torch_is_left_as_it_is(ray_cluster):
     before = torch.get_num_threads()
     try:
