@@ -1,5 +1,5 @@
-"""GGUF files to plain HF safetensors folders, converted once per node into the model cache
-(`eagle_core.target.load_target` loads a `.gguf` file or a named target through `cached_conversion`)."""
+"""GGUF files to plain HF safetensors folders (`eagle_core.target.cached_conversion` runs a conversion once per
+node into the model cache; `load_target` loads a `.gguf` file or a named target through it)."""
 
 from __future__ import annotations
 
@@ -88,20 +88,3 @@ def _convert_gguf_parsed_once(gguf_path: Path, out_dir: Path, chat_template: str
     plain.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
-
-def cached_conversion(gguf: Path, chat_template: str | None = None) -> Path:
-    """The cache folder of a GGUF file's conversion, converting it first if needed (once per node, however many
-    processes ask at once: extraction and regeneration actors, serve replicas, test workers). The folder's name
-    holds the file's digest and the added template's, so a changed template converts anew."""
-    from eagle_core.target import cache_dir, cached_folder  # here: eagle_core.target imports this module
-
-    key = file_digest(gguf)
-    if chat_template:
-        key += "-" + hashlib.sha256(chat_template.encode()).hexdigest()[:8]
-    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
-
-    def fill(tmp: Path):
-        print(f"[eagle3] converting {gguf} to safetensors in {out} (one time)", flush=True)
-        convert_gguf(gguf, tmp, chat_template)
-
-    return cached_folder(out, fill)

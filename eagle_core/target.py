@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_core.gguf_convert import cached_conversion
+from eagle_core.gguf_convert import convert_gguf, file_digest
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -197,6 +197,22 @@ def cached_folder(out: Path, fill) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def cached_conversion(gguf: Path, chat_template: str | None = None) -> Path:
+    """The cache folder of a GGUF file's conversion, converting it first if needed (once per node, however many
+    processes ask at once: extraction and regeneration actors, serve replicas, test workers). The folder's name
+    holds the file's digest and the added template's, so a changed template converts anew."""
+    key = file_digest(gguf)
+    if chat_template:
+        key += "-" + hashlib.sha256(chat_template.encode()).hexdigest()[:8]
+    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
+
+    def fill(tmp: Path):
+        print(f"[eagle3] converting {gguf} to safetensors in {out} (one time)", flush=True)
+        convert_gguf(gguf, tmp, chat_template)
+
+    return cached_folder(out, fill)
 
 
 def local_folder(source: str | os.PathLike) -> Path:

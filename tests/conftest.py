@@ -2,6 +2,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -84,26 +85,21 @@ class _SessionRay:
         # then asked a foreign dashboard, was told its live controller did not exist, and removed its run's
         # placement group, killing the training workers (a CI run's "Destroying worker since its placement group
         # was removed"). So each cluster gets a folder of its own: RAY_TMPDIR is exported while its processes
-        # start, which inherit it, and removed after, so that no later subprocess of this test process (another
+        # start, which inherit it, and restored after, so that no later subprocess of this test process (another
         # test's `ray start`) records its own cluster there. Cluster does not create the folder.
-        saved = os.environ.get("RAY_TMPDIR")
-        os.environ["RAY_TMPDIR"] = self.temp_dir
-        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-        # No log monitor: it scans the session's log files ten times a second to forward them to drivers, and
-        # this driver takes none (log_to_driver=False): ~20 CPU-s per cluster over a suite, measured here.
-        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=4, include_dashboard=dashboard, dashboard_host="127.0.0.1", dashboard_port=0,
-            dashboard_agent_listen_port=free_port(), temp_dir=self.temp_dir, object_store_memory=None,
-            include_log_monitor=False))
-        # No runtime_env: the workers inherit the raylet's environment, i.e. this process's, with the S3 endpoint
-        # exported (s3_endpoint) and usage stats off. A job's runtime_env would start every worker through Ray's
-        # setup_worker.py, a second interpreter that imports Ray before exec'ing the worker (~0.4 CPU-s per worker,
-        # ~150 workers in a suite).
-        context = ray.init(address=self.cluster.address, log_to_driver=False)
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR")
-        else:
-            os.environ["RAY_TMPDIR"] = saved
+        with mock.patch.dict(os.environ, {"RAY_TMPDIR": self.temp_dir}):
+            os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+            # No log monitor: it scans the session's log files ten times a second to forward them to drivers, and
+            # this driver takes none (log_to_driver=False): ~20 CPU-s per cluster over a suite, measured here.
+            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=4, include_dashboard=dashboard, dashboard_host="127.0.0.1", dashboard_port=0,
+                dashboard_agent_listen_port=free_port(), temp_dir=self.temp_dir, object_store_memory=None,
+                include_log_monitor=False))
+            # No runtime_env: the workers inherit the raylet's environment, i.e. this process's, with the S3
+            # endpoint exported (s3_endpoint) and usage stats off. A job's runtime_env would start every worker
+            # through Ray's setup_worker.py, a second interpreter that imports Ray before exec'ing the worker
+            # (~0.4 CPU-s per worker, ~150 workers in a suite).
+            context = ray.init(address=self.cluster.address, log_to_driver=False)
         self.dashboard = dashboard
         ray.dashboard_address = f"http://{context.dashboard_url}" if dashboard else None
 
