@@ -408,26 +408,171 @@ def test_ray_clusters_require_a_token_and_open_no_client_port():
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "auth_token", manifest
 
 
-def test_network_policy_admits_only_ray_pods_and_the_operators_to_the_ray_ports():
-    policy = documents(INFRA / "networkpolicy.yaml")[0]
-    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
-    ray_pods = {"ray.io/is-ray-node": "yes"}
-    assert policy["spec"]["podSelector"]["matchLabels"] == ray_pods
-    for rule in policy["spec"]["ingress"]:
-        sources = rule["from"]
-        ports = {p["port"] for p in rule.get("ports", [])}
-        if sources == [{"podSelector": {"matchLabels": ray_pods}}]:
-            continue  # Ray nodes among themselves: any port
-        assert ports, "a rule admitting others to every port"
-        assert all("ipBlock" not in s for s in sources)  # no address ranges: the internet is not a namespace
-        if ports & {8265, 6379, 10001}:
-            assert ports <= {8265, 6379}
-            labels = [s.get("namespaceSelector", s.get("podSelector", {})).get("matchLabels", {}) for s in sources]
-            assert {"eagle3.io/ray-operators": "true"} in labels
-            assert all(l in ({"eagle3.io/ray-operators": "true"}, {"kubernetes.io/metadata.name": "ray-system"},
-                             {"app.kubernetes.io/created-by": "kuberay-operator"}) for l in labels), labels
-        else:
-            assert ports == {8000}
+# ---------------------------------------------------------------------------------------------------
+# issue 54: who reaches which port, who holds which credential -- the manifests evaluated as a table
+# (no live cluster here: the NetworkPolicies are evaluated by Kubernetes' rules against the labels of every pod
+# the manifests make, plus the pods and namespaces outside them that matter; docs/deployment.md holds the tables)
+
+NAMESPACE = "eagle3"  # where the manifests are applied
+# namespaces a connection can come from, with the labels the setup gives them (docs/deployment.md)
+NAMESPACES = {NAMESPACE: {}, "ray-system": {}, "operators": {"eagle3.io/ray-operators": "true"},
+              "serve-clients": {"eagle3.io/serve-clients": "true"}, "elsewhere": {}}
+OTHER_PORT = 10002  # stands for every port no rule names (raylets, object transfers, NCCL)
+
+
+@dataclasses.dataclass
+class Pod:
+    name: str
+    namespace: str
+    labels: dict
+    spec: dict | None = None  # the pod spec where a manifest makes it
+    ray_token: str | None = None  # the Secret whose Ray token KubeRay injects (authOptions)
+
+
+def _ray_pods(name: str, label: str, cluster: str, spec: dict) -> list[Pod]:
+    token = spec["authOptions"]["secretName"]
+    base = {"ray.io/is-ray-node": "yes", "ray.io/cluster": cluster}
+    groups = [("head", spec["headGroupSpec"])] + [(f"{g['groupName']} worker", g) for g in spec["workerGroupSpecs"]]
+    return [Pod(f"{label} {kind}", NAMESPACE,
+                {**base, "ray.io/node-type": kind.split()[-1],
+                 **group["template"].get("metadata", {}).get("labels", {})}, group["template"]["spec"], token)
+            for kind, group in groups]
+
+
+def manifest_pods() -> list[Pod]:
+    """Every pod the manifests make, with the labels Kubernetes and KubeRay give it."""
+    pods = []
+    for name, docs in all_manifests().items():
+        for doc in docs:
+            kind = doc.get("kind")
+            if kind == "RayCluster":
+                pods += _ray_pods("training", "training", doc["metadata"]["name"], doc["spec"])
+            elif kind == "RayService":
+                pods += _ray_pods("serving", "serving", doc["metadata"]["name"] + "-raycluster",
+                                  doc["spec"]["rayClusterConfig"])
+            elif kind == "RayJob":
+                template = doc["spec"]["submitterPodTemplate"]
+                pods.append(Pod(f"submitter of {name}", NAMESPACE, template.get("metadata", {}).get("labels", {}),
+                                template["spec"]))
+            elif kind in ("Deployment", "StatefulSet", "Job", "CronJob"):
+                template = doc["spec"]["jobTemplate"]["spec"]["template"] if kind == "CronJob" else doc["spec"]["template"]
+                pods.append(Pod(f"{kind} {doc['metadata'].get('name') or name}", doc["metadata"].get("namespace", NAMESPACE),
+                                template.get("metadata", {}).get("labels", {}), template["spec"]))
+    return pods
+
+
+OUTSIDE_PODS = [Pod("KubeRay operator", "ray-system", {"app.kubernetes.io/name": "kuberay-operator"}),
+                Pod("operators' namespace", "operators", {}),
+                Pod("serve clients' namespace (ingress)", "serve-clients", {}),
+                Pod("any other pod in eagle3", NAMESPACE, {"app": "something-else"}),
+                Pod("any other namespace", "elsewhere", {})]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if set(selector) - {"matchLabels"}:
+        raise AssertionError(f"selector {selector}: only matchLabels is evaluated here")
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def network_policies() -> list[tuple[str, dict]]:
+    return [(doc["metadata"].get("namespace", NAMESPACE), doc) for docs in all_manifests().values() for doc in docs
+            if doc.get("kind") == "NetworkPolicy"]
+
+
+def _peer_admits(peer: dict, source: Pod, namespace: str) -> bool:
+    if "ipBlock" in peer:
+        return True  # an address range: anyone, as far as this table is concerned
+    namespaces = peer.get("namespaceSelector")
+    in_namespace = (_selects(namespaces, {"kubernetes.io/metadata.name": source.namespace,
+                                          **NAMESPACES[source.namespace]})
+                    if namespaces is not None else source.namespace == namespace)
+    return in_namespace and ("podSelector" not in peer or _selects(peer["podSelector"], source.labels))
+
+
+def admitted(source: Pod, dest: Pod, port: int) -> bool:
+    """Kubernetes' ingress rule: a pod no policy selects admits everything; one that some policy selects admits
+    what any rule of any of those policies admits (a rule without ports: every port; without from: everyone)."""
+    selecting = [(ns, p) for ns, p in network_policies()
+                 if ns == dest.namespace and "Ingress" in p["spec"]["policyTypes"]
+                 and _selects(p["spec"]["podSelector"], dest.labels)]
+    if not selecting:
+        return True
+    for namespace, policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            if not rule.get("from") or any(_peer_admits(peer, source, namespace) for peer in rule["from"]):
+                return True
+    return False
+
+
+def _pod(name: str) -> Pod:
+    return next(p for p in manifest_pods() if p.name == name)
+
+
+def reachability_columns() -> list[tuple[str, list[Pod], int]]:
+    training = [p for p in manifest_pods() if p.name.startswith("training ")]
+    serving = [p for p in manifest_pods() if p.name.startswith("serving ")]
+    return [("training head 8265 (jobs)", [_pod("training head")], 8265),
+            ("training head 6379 (GCS)", [_pod("training head")], 6379),
+            ("training pods, other ports", training, OTHER_PORT),
+            ("serving head 8265", [_pod("serving head")], 8265),
+            ("serving head 8000 (API)", [_pod("serving head")], 8000),
+            ("serving pods, other ports", serving, OTHER_PORT),
+            ("MLflow 5000", [_pod("Deployment mlflow")], 5000),
+            ("database 5432", [_pod("StatefulSet mlflow-db")], 5432)]
+
+
+def reachability_table() -> str:
+    """Markdown: a row per source pod, a column per destination port; "yes" when every pod of the column admits
+    the source on that port, "some" when only some do, "-" when none does."""
+    columns = reachability_columns()
+    lines = ["| from \\ to | " + " | ".join(c[0] for c in columns) + " |", "|---|" + "---|" * len(columns)]
+    for source in manifest_pods() + OUTSIDE_PODS:
+        cells = []
+        for _, dests, port in columns:
+            got = [admitted(source, d, port) for d in dests if d is not source]
+            cells.append("yes" if got and all(got) else "some" if any(got) else "-")
+        lines.append(f"| {source.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _documented(table: str, doc: Path = REPO / "docs" / "deployment.md") -> None:
+    assert table in doc.read_text(), f"{doc} must hold this table, as the manifests give it:\n{table}"
+
+
+def test_the_reachability_table_is_the_documented_one():
+    _documented(reachability_table())
+
+
+def test_no_serving_pod_reaches_the_training_cluster_and_only_submitters_reach_its_jobs_port():
+    """Issue 54 (1): a serving replica taken over must not `ray job submit` to the training head (it would run code
+    with training's read-write S3 key and MLflow MANAGE), nor reach any other port of that cluster."""
+    pods = manifest_pods()
+    training = [p for p in pods if p.name.startswith("training ")]
+    serving = [p for p in pods if p.name.startswith("serving ")]
+    assert len(training) >= 2 and len(serving) >= 2
+    for source in serving:
+        for dest in training:
+            for port in (8265, 6379, 10001, 8000, OTHER_PORT):
+                assert not admitted(source, dest, port), f"{source.name} reaches {dest.name}:{port}"
+    head = _pod("training head")
+    jobs_port = {p.name for p in pods + OUTSIDE_PODS if p is not head and admitted(p, head, 8265)}
+    submitters = {p.name for p in pods if p.name.startswith("submitter of ")}
+    assert submitters and jobs_port == {p.name for p in training if p is not head} | submitters | {
+        "KubeRay operator", "operators' namespace"}
+    gcs = {p.name for p in pods + OUTSIDE_PODS if p is not head and admitted(p, head, 6379)}
+    assert gcs == {p.name for p in training if p is not head}
+
+
+def test_each_ray_cluster_has_a_token_of_its_own():
+    pods = manifest_pods()
+    tokens = {p.name.split()[0]: p.ray_token for p in pods if p.ray_token}
+    assert set(tokens) == {"training", "serving"} and tokens["training"] != tokens["serving"]
+    for pod in pods:
+        if pod.name.startswith("serving "):
+            assert tokens["training"] not in yaml.safe_dump(pod.spec), pod.name
 
 
 def _mlflow():
