@@ -88,11 +88,22 @@ def _schedule():
     return docs, cron, container
 
 
+SUBMIT_SCRIPT = INFRA / "retrain-submit.sh"
+
+
+def _runs_the_submit_script(container: dict, pod: dict) -> None:
+    """The container runs infra/retrain-submit.sh from the ConfigMap that holds it beside the RayJob."""
+    assert container["command"] == ["/bin/bash", "/rayjob/submit.sh"]
+    mount = _mounts(pod)["/rayjob"]
+    assert mount["configMap"]["name"] == "eagle3-retrain-rayjob"
+    assert "--from-file=submit.sh=infra/retrain-submit.sh" in (INFRA / "retrain-schedule.yaml").read_text()
+    assert "kubectl create -f /rayjob/rayjob.yaml" in SUBMIT_SCRIPT.read_text()
+
+
 def test_schedule_submits_the_retrain_rayjob():
     docs, cron, container = _schedule()
     assert len(cron["schedule"].split()) == 5 and cron["concurrencyPolicy"] == "Forbid"
-    assert container["command"] == ["/bin/bash", "-c"]
-    assert "kubectl create -f /rayjob/rayjob.yaml" in container["args"][0]
+    _runs_the_submit_script(container, cron["jobTemplate"]["spec"]["template"]["spec"])
     rules = docs["Role"]["rules"][0]
     assert "rayjobs" in rules["resources"] and {"create", "get", "list"} <= set(rules["verbs"])
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -107,6 +118,8 @@ echo "$*" >> "$FAKE/calls"
 case "$1 $2" in
   "create -f") echo rayjob.ray.io/eagle3-retrain-x1 ;;
   "get rayjobs") cat "$FAKE/listing" ;;
+  "get configmap") cat "$FAKE/configmap-$3" ;;
+  "patch configmap") ;;
   "get rayjob.ray.io/eagle3-retrain-x1")
       line=$(head -n 1 "$FAKE/states"); sed -i 1d "$FAKE/states"; echo "${line:-Failed/EXHAUSTED}" ;;
   *) exit 2 ;;
@@ -114,9 +127,11 @@ esac
 """
 
 
-def _run_schedule(tmp_path, listing: str, states: list[str]):
-    """Run the CronJob's script against a fake kubectl; returns (exit code, kubectl calls)."""
-    _, _, container = _schedule()
+def _run_schedule(tmp_path, listing: str, states: list[str], container: dict | None = None,
+                  configmaps: dict | None = None):
+    """Run the CronJob's script (infra/retrain-submit.sh, with the container's environment: the weekly CronJob's
+    unless `container` says otherwise) against a fake kubectl; returns (exit code, kubectl calls)."""
+    container = container or _schedule()[2]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "kubectl").write_text(FAKE_KUBECTL)
@@ -124,10 +139,11 @@ def _run_schedule(tmp_path, listing: str, states: list[str]):
     (tmp_path / "listing").write_text(listing)
     (tmp_path / "states").write_text("".join(f"{s}\n" for s in states))
     (tmp_path / "calls").write_text("")
+    for name, value in (configmaps or {}).items():
+        (tmp_path / f"configmap-{name}").write_text(value)
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
            "POLL_SECONDS": "0", "FAKE": str(tmp_path), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    done = subprocess.run(container["command"] + container["args"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(["/bin/bash", str(SUBMIT_SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     return done.returncode, (tmp_path / "calls").read_text().splitlines()
 
 
@@ -573,6 +589,111 @@ def test_each_ray_cluster_has_a_token_of_its_own():
     for pod in pods:
         if pod.name.startswith("serving "):
             assert tokens["training"] not in yaml.safe_dump(pod.spec), pod.name
+
+
+def rbac_rights() -> dict[str, list[dict]]:
+    """service account -> the rules every Role bound to it grants (the manifests bind Roles to accounts only)."""
+    docs = [d for ds in all_manifests().values() for d in ds]
+    roles = {d["metadata"]["name"]: d.get("rules", []) for d in docs if d.get("kind") == "Role"}
+    rights: dict[str, list[dict]] = {}
+    for binding in (d for d in docs if d.get("kind") == "RoleBinding"):
+        assert binding["roleRef"]["kind"] == "Role", binding["metadata"]["name"]  # no ClusterRole anywhere
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", binding["metadata"]["name"]
+            rights.setdefault(subject["name"], []).extend(roles[binding["roleRef"]["name"]])
+    return rights
+
+
+def _secrets(spec: dict) -> set[str]:
+    found = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+    for container in spec["containers"] + spec.get("initContainers", []):
+        found |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                  if "secretKeyRef" in e.get("valueFrom", {})}
+        found |= {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
+    return found
+
+
+def _rule_text(rule: dict) -> str:
+    names = "/" + ",".join(rule["resourceNames"]) if rule.get("resourceNames") else ""
+    return f"{','.join(rule['verbs'])} {','.join(rule['resources'])}{names}"
+
+
+def credentials_table() -> str:
+    """Markdown: a row per pod the manifests make: the Secrets it reads (env, envFrom, volumes), the Ray token
+    KubeRay injects into it, its service account and what that account may do in the Kubernetes API."""
+    rights = rbac_rights()
+    lines = ["| pod | Secrets | Ray token | service account | Kubernetes API |", "|---|---|---|---|---|"]
+    for pod in manifest_pods():
+        account = pod.spec.get("serviceAccountName", "default")
+        api = "; ".join(_rule_text(r) for r in rights.get(account, [])) or "-"
+        lines.append(f"| {pod.name} | {', '.join(sorted(_secrets(pod.spec))) or '-'} | {pod.ray_token or '-'} | "
+                     f"{account} | {api} |")
+    return "\n".join(lines)
+
+
+def test_the_credentials_table_is_the_documented_one():
+    _documented(credentials_table())
+
+
+WORKLOADS = {"pods", "pods/exec", "jobs", "cronjobs", "deployments", "statefulsets", "daemonsets", "replicasets",
+             "rayjobs", "rayclusters", "rayservices", "secrets", "serviceaccounts", "roles", "rolebindings"}
+
+
+def test_the_serving_identity_can_start_no_workload_and_only_record_a_drift_alert():
+    """Issue 54 (2): a pod that can create Jobs can run any image with any Secret of the namespace mounted; the
+    serving pods' account may only get and patch the one ConfigMap where its drift hook records an alert."""
+    accounts = {p.spec.get("serviceAccountName", "default") for p in manifest_pods() if p.name.startswith("serving ")}
+    assert accounts == {"eagle3-serve"}
+    rules = rbac_rights().get("eagle3-serve", [])
+    for rule in rules:
+        assert not set(rule["resources"]) & WORKLOADS, rule
+    assert rules == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["eagle3-drift-alert"],
+                      "verbs": ["get", "patch"]}]
+
+
+def _drift_cronjob() -> tuple[dict, dict]:
+    cron = next(d for d in documents(INFRA / "retrain-on-drift.yaml") if d["kind"] == "CronJob")
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return cron, pod
+
+
+def test_drift_alerts_are_acted_on_by_the_retraining_identity_with_the_weekly_script():
+    cron, pod = _drift_cronjob()
+    weekly = _schedule()[1]["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == weekly["serviceAccountName"] == "eagle3-retrain"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    _runs_the_submit_script(pod["containers"][0], pod)
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env["SELECTOR"] == {e["name"]: e["value"] for e in weekly["containers"][0]["env"]}["SELECTOR"]
+    configmaps = {d["metadata"]["name"] for d in documents(INFRA / "retrain-on-drift.yaml") if d["kind"] == "ConfigMap"}
+    assert {env["DRIFT_ALERT"], env["DRIFT_HANDLED"]} == configmaps
+    writable = {n for r in rbac_rights()["eagle3-serve"] if "patch" in r["verbs"] for n in r["resourceNames"]}
+    assert env["DRIFT_HANDLED"] not in writable  # the serving identity cannot reset the retraining's record
+    assert int(env["DRIFT_MIN_INTERVAL_S"]) >= 3600
+
+
+@pytest.mark.parametrize("alert,handled_ago,listing,created", [
+    ("now-60", 2 * 86400, "", True),  # a new alert, the last retraining on drift long ago: one RayJob
+    ("now-60", 600, "", False),  # a new alert within the minimum interval: nothing
+    ("0", 2 * 86400, "", False),  # no alert recorded
+    ("now-60", 2 * 86400, "eagle3-retrain-a Running\n", False),  # a retraining is running: kept for later
+    ("$(touch /tmp/x)", 2 * 86400, "", False),  # what the serving identity may write is read as a number or nothing
+    ("now+86400", 2 * 86400, "", False)])  # an alert from the future is none
+def test_the_drift_cronjob_starts_one_retraining_per_new_alert_at_most_once_an_interval(
+        tmp_path, alert, handled_ago, listing, created):
+    import time
+
+    now = int(time.time())
+    value = str(eval(alert, {"now": now})) if alert.startswith("now") else alert
+    _, pod = _drift_cronjob()
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    code, calls = _run_schedule(tmp_path, listing, ["Complete/SUCCEEDED"], container=pod["containers"][0],
+                                configmaps={env["DRIFT_ALERT"]: value, env["DRIFT_HANDLED"]: str(now - handled_ago)})
+    assert code == 0
+    creates = [c for c in calls if c.startswith("create")]
+    patches = [c for c in calls if c.startswith("patch")]
+    assert len(creates) == int(created)
+    assert len(patches) == int(created) and all(f"configmap {env['DRIFT_HANDLED']} " in c for c in patches)
 
 
 def _mlflow():
