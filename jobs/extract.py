@@ -49,6 +49,13 @@ def add_extraction_options(p, d: ExtractConfig) -> None:
     p.add_argument("--regenerate-with", type=regenerate_with, default=d.regenerate_with, metavar="hf|openai:URL",
                    help="who regenerates: 'hf' (the target in each extraction actor) or any OpenAI-compatible server, "
                         "e.g. openai:http://vllm:8000/v1 (prompts sent as token ids; OPENAI_API_KEY as bearer)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default=d.engine,
+                   help="what runs the target in each actor: hf (transformers, the reference) or vllm (its engine; "
+                        "docs/engines.md)")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="vllm: GPUs one target copy is split over by tensor parallelism (one node)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=d.pipeline_parallel_size,
+                   help="vllm: pipeline stages of one target copy (one GPU each, same node)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="regeneration: tokens per reply")
     p.add_argument("--temperature", type=float, default=d.temperature, help="regeneration temperature (0 = greedy)")
     p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=d.aux_layer_ids,
@@ -125,6 +132,10 @@ def main(argv=None) -> int:
     args = vars(build_parser().parse_args(argv))
     address, dry_run, gpu_memory_gib = args.pop("address"), args.pop("dry_run"), args.pop("gpu_memory_gib")
     args["mlflow_experiment"] = args["mlflow_experiment"] or None
+    try:
+        ExtractConfig(**{k: v for k, v in args.items() if k in ExtractConfig.__dataclass_fields__})
+    except ValueError as err:  # an engine that cannot do what was asked: said before any work
+        raise SystemExit(f"extract.py: {err}") from err
     shape = target_shape("extract", args["target"]) if dry_run else None
     recipe = resolve_job_recipe("extract", args.pop("recipe", None), args["target"], gpu_memory_gib, shape)
     fill_from_recipe(args, recipe, RECIPE_OPTIONS)
@@ -137,7 +148,9 @@ def main(argv=None) -> int:
         plan = plan_extract(target=args["target"], corpus=args["corpus"], recipe=recipe, shape=shape,
                             max_length=args["max_length"], limit=args["limit"], dtype=args["dtype"],
                             num_workers=args["num_workers"], gpus_per_worker=args["gpus_per_worker"],
-                            gpu_memory_gib=gpu_memory_gib)
+                            gpu_memory_gib=gpu_memory_gib, engine=args["engine"],
+                            tensor_parallel_size=args["tensor_parallel_size"],
+                            pipeline_parallel_size=args["pipeline_parallel_size"])
         print("\n".join(plan.lines()), flush=True)
         return 0
     from pipelines.cluster import connect

@@ -33,7 +33,8 @@ STREAM_OPTIONS = {
     "temperature": "temperature", "aux_layer_ids": "aux_layer_ids", "dtype": "dtype",
     "extract_workers": "num_workers", "gpus_per_extract_worker": "gpus_per_worker",
     "cpus_per_extract_worker": "cpus_per_worker", "extract_tokens_per_batch": "tokens_per_batch",
-    "rows_per_shard": "rows_per_shard", "regen_batch_size": "regen_batch_size",
+    "rows_per_shard": "rows_per_shard", "regen_batch_size": "regen_batch_size", "engine": "engine",
+    "tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
 }
 # Options that default to the recipe's values (option -> recipe value); the last two only when streaming.
 RECIPE_OPTIONS = {"lr": "lr", "warmup_ratio": "warmup_ratio", "min_lr_ratio": "min_lr_ratio",

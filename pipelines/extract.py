@@ -57,6 +57,11 @@ class ExtractConfig:
     # 'hf': the actor's own target generates (batches of regen_batch_size); 'openai:URL': an OpenAI-compatible
     # server does (vLLM, SGLang, jobs/serve.py), a whole shard's turn in flight at once (pipelines.regenerate)
     regenerate_with: str = "hf"
+    # What runs the target in each actor (pipelines.engines): 'hf' (transformers, the reference) or 'vllm' (its
+    # engine; tensor_parallel_size x pipeline_parallel_size GPUs per actor, on one node).
+    engine: str = "hf"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_new_tokens: int = 512
     temperature: float = 0.0
     seed: int = 0
@@ -78,9 +83,25 @@ class ExtractConfig:
     overwrite: bool = False
 
     def __post_init__(self):
+        from pipelines.engines import EngineError, check_engine_name
         from pipelines.regenerate import parse_regenerate_with
 
-        parse_regenerate_with(self.regenerate_with)  # a clear error before any work
+        check_engine_name(self.engine)  # clear errors before any work
+        if parse_regenerate_with(self.regenerate_with) and self.engine != "hf":
+            raise EngineError(f"--engine {self.engine} regenerates with its own engine; --regenerate-with openai:URL "
+                              "(a serving engine regenerates) goes with --engine hf")
+        if self.engine == "hf" and self.tensor_parallel_size * self.pipeline_parallel_size != 1:
+            raise EngineError("tensor and pipeline parallelism need --engine vllm (the hf engine spreads a target "
+                              "over an actor's GPUs with device_map: --gpus-per-worker)")
+
+    def engine_config(self, gpus: float = 0):
+        """The engine each actor runs (pipelines.engines.EngineConfig)."""
+        from pipelines.engines import EngineConfig
+
+        return EngineConfig(target=self.target, dtype=self.dtype, engine=self.engine, aux_layer_ids=self.aux_layer_ids,
+                            max_length=self.max_length + (self.max_new_tokens if self.regenerate else 1), gpus=gpus,
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            pipeline_parallel_size=self.pipeline_parallel_size, seed=self.seed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,11 +120,14 @@ def extraction_fingerprint(config: ExtractConfig, folder, target_config, device:
     on `device`, the aux layers, the regeneration settings and the corpus. Not `limit`: a shard of a prefix is the
     same shard of the whole."""
     from eagle_core.target import resolve_dtype
+    from pipelines.engines import engine_fingerprint
     from pipelines.feature_files import target_fingerprint
 
+    engine = engine_fingerprint(config.engine)  # none for hf (the reference): older hf outputs stay valid
     return {
         **target_fingerprint(folder, target_config, config.max_length, resolve_dtype(config.dtype, device),
                              config.aux_layer_ids),
+        **({"engine": engine} if engine else {}),
         "regeneration": {"with": config.regenerate_with, "max_new_tokens": config.max_new_tokens,
                          "temperature": config.temperature, "seed": config.seed} if config.regenerate else None,
         "corpus": config.corpus,
@@ -167,30 +191,42 @@ def reuse_shards(config: ExtractConfig, names: list[str], fingerprint: dict | No
 # --------------------------------------------------------------------------------------------------
 
 class Extractor:
-    """One target copy per actor: a shard of conversations -> (regenerated, cached under regenerated/) ->
-    committed Parquet shard (returns its summary), or feature rows (streaming). Regeneration and extraction share
-    the actor's model: no second pool of target copies idling while the other works."""
+    """One target copy per actor, run by the configured engine (pipelines.engines): a shard of conversations ->
+    (regenerated, cached under regenerated/) -> committed Parquet shard (returns its summary), or feature rows
+    (streaming). Regeneration and extraction share the actor's engine: no second pool of target copies idling while
+    the other works. The engine is closed when the actor ends (`__del__`, and the engine's own exit and SIGTERM
+    hooks)."""
 
     def __init__(self, config: dict, write: bool = True, fingerprint: dict | None = None):
-        from eagle_core.target import default_device, device_map_for, load_target, resolve_aux_layer_ids
+        from transformers import AutoConfig
+
+        from eagle_core.target import materialize_hf_folder, resolve_aux_layer_ids
         from pipelines.cluster import use_assigned_cpus
+        from pipelines.engines import make_engine
         from pipelines.regenerate import OpenAIReplies, parse_regenerate_with
 
         use_assigned_cpus()
         self.config = ExtractConfig(**config)
         self.write, self.fingerprint = write, fingerprint  # recorded in every shard this actor commits
-        # An actor given several GPUs holds one target copy spread over them (a target larger than one GPU).
-        device_map = device_map_for(self.config.gpus_per_worker or 0)
-        self.model, self.tokenizer = load_target(self.config.target, device=default_device(), dtype=self.config.dtype,
-                                                 device_map=device_map)
-        self.aux_layer_ids = resolve_aux_layer_ids(self.config.aux_layer_ids, self.model.config.num_hidden_layers)
+        self.engine = make_engine(self.config.engine_config(self.config.gpus_per_worker or 0))
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        layers = AutoConfig.from_pretrained(materialize_hf_folder(self.config.target)).num_hidden_layers
+        self.aux_layer_ids = resolve_aux_layer_ids(self.config.aux_layer_ids, layers)
         # One client (and connection pool) per actor when a serving engine regenerates.
         server = parse_regenerate_with(self.config.regenerate_with)
-        self.replies = OpenAIReplies(server, self.config.max_new_tokens, self.config.temperature) if server else None
+        c = self.config
+        self.replies = OpenAIReplies(server, c.max_new_tokens, c.temperature) if server else (
+            lambda prompts, seed: self.engine.regenerate(prompts, c.max_new_tokens, c.temperature, seed))
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def _regenerated(self, shard: str, rows_json: str) -> tuple[list[dict], dict]:
         """The shard's conversations with every assistant turn rewritten by the target (read back on reruns)."""
         from eagle_core.features import regenerate_conversations
+        from pipelines.regenerate import OpenAIReplies
 
         c = self.config
         cache = join(c.output, "regenerated", f"{shard}.jsonl")
@@ -202,7 +238,9 @@ class Extractor:
         conversations = json.loads(rows_json)
         rows, quarantined = regenerate_conversations(
             self.model, self.tokenizer, conversations, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-            seed=seed, max_length=c.max_length, batch_size=len(conversations) if self.replies else c.regen_batch_size,
+            seed=seed, max_length=c.max_length,
+            batch_size=c.regen_batch_size if c.engine == "hf" and not isinstance(self.replies, OpenAIReplies)
+            else len(conversations),  # a serving engine batches a whole turn itself
             replies=self.replies)
         lines = [json.dumps(r, ensure_ascii=False) for r in rows]
         lines += [json.dumps({"id": i, "reason": why}) for i, why in quarantined.items()]
@@ -210,12 +248,12 @@ class Extractor:
         return rows, quarantined
 
     def _features(self, shard: str, rows_json: str):
-        from eagle_core.features import featurize, tokenize_for_training
+        from eagle_core.features import tokenize_for_training
 
         c = self.config
         rows, quarantined = self._regenerated(shard, rows_json) if c.regenerate else (json.loads(rows_json), {})
         tokenized, dropped = tokenize_for_training(self.tokenizer, rows, c.max_length)
-        return featurize(self.model, tokenized, self.aux_layer_ids, c.tokens_per_batch), {**quarantined, **dropped}
+        return self.engine.features(tokenized, self.aux_layer_ids, c.tokens_per_batch), {**quarantined, **dropped}
 
     def __call__(self, batch: dict) -> dict:
         if not self.write:
@@ -239,7 +277,9 @@ class Extractor:
         counts = Counter()
         for f in features:
             counts.update(f.input_ids[f.loss_mask.bool()].tolist())
-        dtype = features[0].aux_hidden.dtype if features else next(self.model.parameters()).dtype
+        from eagle_core.target import default_device, resolve_dtype
+
+        dtype = features[0].aux_hidden.dtype if features else resolve_dtype(self.config.dtype, default_device())
         return {
             "shard": shard, "rows": len(features), "tokens": sum(len(f.input_ids) for f in features),
             "loss_tokens": sum(int(f.loss_mask.sum()) for f in features), "seconds": seconds,
@@ -254,12 +294,27 @@ class Extractor:
 # --------------------------------------------------------------------------------------------------
 
 def _actor_resources(config: ExtractConfig) -> dict:
+    """One actor's Ray resources: its engine's target copy (vllm: tensor x pipeline parallel GPUs, on one node)."""
     import ray
+
+    from pipelines.engines import gpus_per_copy
 
     gpus = config.gpus_per_worker
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    gpus = gpus_per_copy(config.engine_config(gpus))
     return {"num_gpus": gpus, "num_cpus": config.cpus_per_worker}
+
+
+def check_engine_on_cluster(config: ExtractConfig) -> None:
+    """The engine's own checks (installed, loads this target, GPUs per copy on one node of this cluster), before
+    any work or any file is written."""
+    import ray
+
+    from pipelines.engines import check_engine
+
+    per_node = [node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]]
+    check_engine(config.engine_config(_actor_resources(config)["num_gpus"]), per_node)
 
 
 def _stages(ds, config: ExtractConfig, write: bool, fingerprint: dict | None = None):
@@ -304,6 +359,7 @@ def run_extract(config: ExtractConfig) -> FeatureManifest:
     from pipelines.data import corpus_fingerprint, ingest
 
     started = time.perf_counter()
+    check_engine_on_cluster(config)  # an engine that cannot run this target: an error before anything is written
     folder = materialize_hf_folder(config.target)  # resolved once: a hub id or a URL is not fetched again
     target_config = AutoConfig.from_pretrained(folder)
     device = "cuda" if _actor_resources(config)["num_gpus"] else "cpu"

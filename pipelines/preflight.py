@@ -143,6 +143,9 @@ class RunPlan:
     streaming: bool = False
     recipe_max_length: int = 0  # the max length in force (rows are cut there when counted)
     has_data: bool = True  # False: a plan for target and recipe alone
+    engine: str = "hf"  # what runs the target copies (pipelines.engines)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -187,6 +190,19 @@ class RunPlan:
             out.append("one epoch reads each feature once: streaming (--corpus) avoids storing them")
         return out
 
+    def engine_line(self, tag: str) -> str:
+        parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.engine == "hf":
+            return f"{tag} engine: hf (transformers in each actor)"
+        from pipelines.engines.vllm import vllm_version
+
+        how = ("one process per actor (the engine core in the actor)" if parallel == 1 else
+               f"{parallel} vLLM worker processes per actor, one per GPU of the actor's node")
+        return (f"{tag} engine: vllm {vllm_version() or '(not installed here)'}, tensor_parallel_size "
+                f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} = {parallel} "
+                f"GPU(s) per target copy, all on one node (Ray actor num_gpus={parallel}); {how}; "
+                f"{self.target_copies} copies need {self.target_copies * parallel} GPUs")
+
     def lines(self) -> list[str]:
         tag = f"[{self.job}]"
         s = self.shape
@@ -214,6 +230,8 @@ class RunPlan:
                "used by extraction and serving (training from features loads only the target's embeddings and "
                "lm_head)"),
         ]
+        if self.engine != "hf" or self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            out.append(self.engine_line(tag))
         if self.job == "train" and self.has_data:
             out.append(f"{tag} steps: {self.steps:,} ({self.epochs} epoch(s) of {1 - self.eval_fraction:.0%} of the "
                        f"tokens, {self.tokens_per_batch:,} tokens per step"
@@ -238,10 +256,15 @@ class RunPlan:
 
 def plan_extract(*, target: str, corpus: str, recipe: Recipe, shape: TargetShape, max_length: int,
                  limit: int | None, dtype: str, num_workers: int, gpus_per_worker: float | None,
-                 gpu_memory_gib: float, job: str = "extract", streaming: bool = False, **train) -> RunPlan:
+                 gpu_memory_gib: float, job: str = "extract", streaming: bool = False, engine: str = "hf",
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **train) -> RunPlan:
     """The plan of reading `corpus` through `target` (extraction, or training streamed from the corpus)."""
     count = count_corpus(corpus, target_tokenizer(target), max_length, limit)
     gpus = recipe.gpus_per_target if gpus_per_worker is None else gpus_per_worker
+    if tensor_parallel_size * pipeline_parallel_size > 1:
+        gpus = tensor_parallel_size * pipeline_parallel_size  # vllm: one GPU per tensor x pipeline rank
+    train.update(engine=engine, tensor_parallel_size=tensor_parallel_size,
+                 pipeline_parallel_size=pipeline_parallel_size)
     plan = RunPlan(job=job, target=target, shape=shape, recipe=recipe, corpus=corpus, count=count, rows=count.rows,
                    tokens=count.tokens, dtype=feature_dtype(dtype, bool(gpus)), target_copies=num_workers,
                    gpus_per_target=math.ceil(gpus), gpu_memory_gib=gpu_memory_gib, streaming=streaming,
