@@ -760,22 +760,17 @@ def test_serving_beyond_loopback_without_a_key_is_refused(monkeypatch, capsys):
     assert not serve_job.is_loopback("10.0.0.5") and not serve_job.is_loopback("eagle3.example.com")
 
 
-@pytest.mark.slow
-def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only_with_credentials(tmp_path):
-    """`mlflow server` started with the manifest's own --allowed-hosts and --app-name (its basic auth, which needs
-    Flask-WTF, `mlflow[auth]`, as the image installs it); stores swapped for local ones, bound to 127.0.0.1. A
-    request with the cluster's Host header is answered with the admin's credentials (401 without them), one with
-    a foreign Host header gets 403. (A second server, with --allowed-hosts alone, ran here until the suite had to
-    fit 15 minutes: the manifest always sets both, and the Host check is the same one.)"""
+@pytest.fixture(scope="module")
+def auth_mlflow(tmp_path_factory):
+    """`mlflow server` started with the manifest's own --allowed-hosts (plus its own loopback address, for the
+    Python clients of the lock test) and --app-name (its basic auth, which needs Flask-WTF, `mlflow[auth]`, as the
+    image installs it); stores swapped for local ones, bound to 127.0.0.1. Yields (port, admin password)."""
     pytest.importorskip("flask_wtf", reason="MLflow's basic-auth app needs Flask-WTF: pip install 'mlflow[auth]'")
     import sys
-    import time
-    import urllib.error
-    import urllib.request
-    from base64 import b64encode
 
     from process_helpers import free_port, kill_session, wait_until
 
+    tmp_path = tmp_path_factory.mktemp("mlflow-auth")
     _, container = _mlflow()
     port = free_port()
     args = []
@@ -783,6 +778,8 @@ def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only
         key = arg.split("=", 1)[0]
         if key in ("--host", "--port", "--backend-store-uri", "--artifacts-destination", "--workers"):
             continue
+        if key == "--allowed-hosts":
+            arg += f",127.0.0.1:{port}"
         args.append(arg)
     args += ["--host=127.0.0.1", f"--port={port}", "--workers=1",
              f"--backend-store-uri=sqlite:///{tmp_path / 'mlflow.db'}", f"--artifacts-destination={tmp_path / 'a'}"]
@@ -799,28 +796,11 @@ def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only
     server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", *args], env=env,
                               cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=open(tmp_path / "server.log", "w"))
-    host = sorted(_tracking_hosts())[0]
-
-    def status(host_header: str, auth: bool) -> int:
-        headers = {"Host": host_header}
-        if auth:
-            headers["Authorization"] = "Basic " + b64encode(f"admin:{password}".encode()).decode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1",
-                                         headers=headers)
-        try:
-            return urllib.request.urlopen(request, timeout=10).status
-        except urllib.error.HTTPError as err:
-            return err.code
-        except OSError:
-            return -1
-
     try:
-        wait_until(lambda: server.poll() is not None or status(host, True) != -1, "the MLflow server", timeout=240)
+        wait_until(lambda: server.poll() is not None or _status(port, password, "127.0.0.1:5000", True) != -1,
+                   "the MLflow server", timeout=240)
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-        time.sleep(1)
-        assert status(host, True) == 200
-        assert status(host, False) == 401
-        assert status("attacker.example:5000", True) == 403
+        yield port, password
     finally:
         server.terminate()
         try:
@@ -828,6 +808,82 @@ def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only
         except subprocess.TimeoutExpired:
             pass
         kill_session(server.pid)
+
+
+def _status(port: int, password: str, host_header: str, auth: bool) -> int:
+    import urllib.error
+    import urllib.request
+    from base64 import b64encode
+
+    headers = {"Host": host_header}
+    if auth:
+        headers["Authorization"] = "Basic " + b64encode(f"admin:{password}".encode()).decode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1",
+                                     headers=headers)
+    try:
+        return urllib.request.urlopen(request, timeout=10).status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return -1
+
+
+@pytest.mark.slow
+def test_mlflow_server_with_the_manifests_flags_admits_the_service_name_and_only_with_credentials(auth_mlflow):
+    """A request with the cluster's Host header is answered with the admin's credentials (401 without them), one
+    with a foreign Host header gets 403. (A second server, with --allowed-hosts alone, ran here until the suite had
+    to fit 15 minutes: the manifest always sets both, and the Host check is the same one.)"""
+    import time
+
+    port, password = auth_mlflow
+    host = sorted(_tracking_hosts())[0]
+    time.sleep(1)
+    assert _status(port, password, host, True) == 200
+    assert _status(port, password, host, False) == 401
+    assert _status(port, password, "attacker.example:5000", True) == 403
+
+
+@pytest.mark.slow
+def test_a_promotion_lock_made_by_another_mlflow_user_is_refused_at_once_naming_it(auth_mlflow, monkeypatch):
+    """Issue 54 (3), on the manifest's MLflow with basic auth: the read-only serving user may create registered
+    models, so it can create `<model>.promotion-lock` with a far-future expiry, which the trainers can neither take
+    over nor delete. A trainer must refuse it at once, naming it, not wait `wait_s` for an expiry that never comes;
+    a lock another process of the trainers' own user holds is still waited for (a plain PromotionConflict)."""
+    import json as _json
+    import time
+    import urllib.request
+    from base64 import b64encode
+
+    from mlflow import MlflowClient
+
+    from pipelines.registry import ForeignLock, PromotionConflict, PromotionLease
+
+    port, password = auth_mlflow
+    url = f"http://127.0.0.1:{port}"
+    for user in ("eagle3", "eagle3-serve"):  # docs/deployment.md: the trainers' user, the serving reader
+        request = urllib.request.Request(
+            f"{url}/api/2.0/mlflow/users/create", method="POST",
+            data=_json.dumps({"username": user, "password": f"{user}-Passw0rd!"}).encode(),
+            headers={"Content-Type": "application/json",
+                     "Authorization": "Basic " + b64encode(f"admin:{password}".encode()).decode()})
+        assert urllib.request.urlopen(request, timeout=10).status == 200
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "eagle3-serve")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "eagle3-serve-Passw0rd!")
+    MlflowClient(url).create_registered_model("eagle3-draft.promotion-lock", tags={
+        "owner": "serve:1:0123abcd", "expires_0123abcd": f"{time.time() + 10 * 365 * 86400:.3f}"})
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "eagle3")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "eagle3-Passw0rd!")
+    started = time.monotonic()
+    with pytest.raises(ForeignLock, match=r"'eagle3-draft\.promotion-lock'.*may not write it"):
+        PromotionLease("eagle3-draft", wait_s=30, poll_s=0.2).acquire()
+    assert time.monotonic() - started < 10  # refused at once, not after wait_s
+    with PromotionLease("other-draft", ttl_s=60).acquire():  # the trainers' own lock: taken, released
+        with pytest.raises(PromotionConflict) as waited:
+            PromotionLease("other-draft", wait_s=1, poll_s=0.2).acquire()
+        assert not isinstance(waited.value, ForeignLock)
 
 
 def test_training_jobs_resume_from_their_last_checkpoint_when_a_worker_fails():
