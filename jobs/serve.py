@@ -7,25 +7,16 @@
 Binds 127.0.0.1 unless --host says otherwise. Runs until SIGTERM / SIGINT (or `ray job stop`), then deletes
 the application; --no-block deploys and returns (the application stays up in a long-lived cluster).
 Set EAGLE3_SERVE_API_KEY (or EAGLE3_SERVE_API_KEY_FILE, or --set api_key_file=PATH: a file the replicas can
-read) to require `Authorization: Bearer <key>`. A --host other than loopback is refused without a key unless
---insecure-no-auth says so.
+read) to require `Authorization: Bearer <key>`. Serving without a key where this cluster's Serve proxy binds a
+non-loopback address is refused unless --insecure-no-auth says so; the address checked is the one the proxy
+really binds (a Serve instance already running keeps its own, whatever --host asks for).
 """
 
 import argparse
-import ipaddress
 import os
 import signal
 import sys
 import threading
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -68,26 +59,33 @@ def main(argv=None):
     sets = parse_sets(args.set)
     has_key = any(sets.get(k) for k in ("api_key", "api_key_file")) or any(
         os.environ.get(k) for k in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"))
-    if not is_loopback(args.host) and not has_key:
-        if not args.insecure_no_auth:
-            raise SystemExit(f"refusing to serve on {args.host} without an API key: set EAGLE3_SERVE_API_KEY_FILE "
-                             "(or EAGLE3_SERVE_API_KEY, --set api_key_file=...), bind 127.0.0.1, or pass "
-                             "--insecure-no-auth")
-        print(f"[serve] WARNING: serving on {args.host} WITHOUT AUTHENTICATION (--insecure-no-auth): anyone who "
-              "reaches this port can use the model", file=sys.stderr, flush=True)
-
     from ray import serve
 
     from pipelines.cluster import connect
-    from pipelines.serve.app import build_app
+    from pipelines.serve.app import build_app, proxy_bind
+    from pipelines.serve.config import is_loopback, keyless_exposure
 
+    problem = keyless_exposure(args.host, args.port, has_key, args.insecure_no_auth)
+    if problem:  # before connecting: nothing is started
+        raise SystemExit(problem)
     connect(args.address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    host, port = proxy_bind()  # a Serve instance already running keeps its own address: check that one
+    problem = keyless_exposure(host, port, has_key, args.insecure_no_auth)
+    if problem:
+        raise SystemExit(problem)
+    if (host, port) != (args.host, args.port):
+        print(f"[serve] this cluster's Serve proxy already runs on {host}:{port} (not --host {args.host} --port "
+              f"{args.port}: a running Serve instance keeps its address)", file=sys.stderr, flush=True)
+    if not has_key and not is_loopback(host):
+        print(f"[serve] WARNING: serving on {host} WITHOUT AUTHENTICATION (--insecure-no-auth): anyone who "
+              "reaches this port can use the model", file=sys.stderr, flush=True)
+        sets["insecure_no_auth"] = "true"
     draft = served_draft(args.draft, args.target)
     app_args = {"target": args.target, **({"draft": draft} if draft else {}), **sets}
     app = build_app(app_args)
-    serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)
-    url = f"http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
+    url = f"http://{host}:{port}{args.route_prefix.rstrip('/')}"
     print(f"[serve] {args.name} ready: {url}/v1/completions, {url}/v1/chat/completions, {url}/metrics", flush=True)
     if args.no_block:
         return

@@ -754,10 +754,12 @@ def test_serving_beyond_loopback_without_a_key_is_refused(monkeypatch, capsys):
     spec.loader.exec_module(serve_job)
     for name in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(SystemExit, match="refusing to serve on 0.0.0.0 without an API key"):
+    with pytest.raises(SystemExit, match="refusing to serve on 0.0.0.0:8000 without an API key"):
         serve_job.main(["--host", "0.0.0.0"])
-    assert serve_job.is_loopback("127.0.0.1") and serve_job.is_loopback("::1") and serve_job.is_loopback("localhost")
-    assert not serve_job.is_loopback("10.0.0.5") and not serve_job.is_loopback("eagle3.example.com")
+    from pipelines.serve.config import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5") and not is_loopback("eagle3.example.com")
 
 
 @pytest.fixture(scope="module")

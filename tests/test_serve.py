@@ -204,3 +204,35 @@ def test_overload_answers_503_fast_and_recovers(live):
     with live.client() as c:
         assert c.get("/health").json()["status"] == "ok"
         assert complete(c, prompt="after the storm", max_tokens=4)["usage"]["completion_tokens"] >= 1
+
+
+def test_the_serve_job_checks_the_address_the_running_proxy_really_binds(live, monkeypatch):
+    """Issue 54 (4): `serve.start` keeps the http options of a Serve instance already running, so `jobs/serve.py
+    --host 127.0.0.1` proves nothing about where the proxy listens. Asking a running instance for another address
+    changes (and binds) nothing, `proxy_bind` reads the one in force, and the job refuses to deploy keyless when
+    that one is not loopback. (The suite binds loopback only, so the exposed instance -- one an earlier
+    `serve start --http-host 0.0.0.0` made -- is its recorded address, not a real bind.)"""
+    import importlib.util
+    from pathlib import Path
+
+    from ray import serve
+
+    from pipelines.serve import app as serve_app
+    from serve_helpers import _LIVE, free_port
+
+    serve.start(http_options={"host": "0.0.0.0", "port": free_port()})  # running: a warning, nothing else
+    assert serve_app.proxy_bind() == ("127.0.0.1", _LIVE["port"])
+    for name in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("job_serve", Path(__file__).resolve().parents[1] / "jobs" / "serve.py")
+    serve_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_job)
+    monkeypatch.setattr(serve_app, "proxy_bind", lambda: ("0.0.0.0", _LIVE["port"]))
+    try:
+        with pytest.raises(SystemExit, match=rf"refusing to serve on 0\.0\.0\.0:{_LIVE['port']} without an API key"):
+            serve_job.main(["--host", "127.0.0.1", "--port", str(_LIVE["port"]), "--target", str(live.config.target),
+                            "--draft", "none", "--name", "exposure-test", "--no-block"])
+        assert "exposure-test" not in serve.status().applications  # refused before anything was deployed
+    finally:
+        if "exposure-test" in serve.status().applications:
+            serve.delete("exposure-test")

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from pipelines.serve import protocol as P
 
 from pipelines.serve import responses as R
-from pipelines.serve.config import DeploymentOptions, ServeConfig
+from pipelines.serve.config import DeploymentOptions, ServeConfig, keyless_exposure
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
@@ -222,7 +222,13 @@ class SpecDecodeServer:
     def __init__(self, config: dict):
         from pipelines.serve.service import Service
 
-        self.service = Service(ServeConfig.from_dict(config), use_ray_metrics=True)
+        config = ServeConfig.from_dict(config)
+        self.service = Service(config, use_ray_metrics=True)
+        if self.service.api_key is None:  # whatever started Serve: no keyless replica behind an exposed proxy
+            problem = keyless_exposure(*proxy_bind(), has_key=False, insecure=config.insecure_no_auth)
+            if problem:
+                self.service.close()
+                raise RuntimeError(problem)
         self.service.replica = serve.get_replica_context().replica_id.unique_id
         self.routes = Routes(self.service)
         _REPLICA["metrics"] = self.service.metrics
@@ -340,6 +346,15 @@ def build_app(args: dict | None = None):
     return SpecDecodeServer.options(**placement).bind(config.to_dict())
 
 
+def proxy_bind() -> tuple[str, int]:
+    """(host, port) the running Serve instance's HTTP proxy binds: the options it started with, which a later
+    `serve.start(http_options=...)` does not change (Serve only logs that they differ)."""
+    from ray.serve.context import _get_global_client
+
+    options = _get_global_client().http_config
+    return options.host, options.port
+
+
 def run_local(app, name: str, port: int, host: str = "127.0.0.1", route_prefix: str = "/",
               timeout_s: float = 300.0) -> str:
     """Deploy `app` (`build_app(...)`) on this Ray cluster's Serve instance, starting Serve on host:port if it is not
@@ -348,6 +363,7 @@ def run_local(app, name: str, port: int, host: str = "127.0.0.1", route_prefix: 
     import httpx
 
     serve.start(http_options={"host": host, "port": port})  # a running instance keeps its own options
+    host, port = proxy_bind()
     serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
     url = f"http://{host}:{port}{route_prefix.rstrip('/')}"
     deadline = time.monotonic() + timeout_s

@@ -7,6 +7,7 @@ reason; their defaults are `TreeConfig`'s and `EngineConfig`'s, which own them (
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -61,6 +62,9 @@ class ServeConfig:
     # runtime_env, both of which the Ray dashboard shows; EAGLE3_SERVE_API_KEY_FILE names one too
     api_key_file: str | None = None
     require_api_key: bool = False  # refuse to start a replica that found no token (set by a driver that has one)
+    # serve without a token although Serve's proxy binds a non-loopback address (anyone who reaches it may use it);
+    # without it such a replica refuses to start, whatever started Serve (`keyless_exposure`)
+    insecure_no_auth: bool = False
     torch_threads: int = 0  # 0 = the whole CPUs Ray assigned to the replica (outside Ray: torch's default)
     # ---- acceptance as a live signal (pipelines/serve/acceptance.py; docs/serving.md) -------------------------
     acceptance: bool = True  # per-label tau / accept-length histograms, windows, drift; False = none of it
@@ -195,3 +199,24 @@ def resolve_api_key(config: ServeConfig) -> str | None:
         raise RuntimeError("this deployment requires an API key, but the replica found none: mount it as a file "
                            f"and set api_key_file (or {API_KEY_FILE_ENV})")
     return key
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def keyless_exposure(host: str, port: int | str, has_key: bool, insecure: bool) -> str | None:
+    """Why serving without a key on Serve's proxy at host:port must be refused, or None when it may go on: a
+    loopback bind, a key, or an explicit `insecure_no_auth`. `host` must be where the proxy really binds (a running
+    Serve instance keeps the http options it started with, whatever a later `serve.start` asks for)."""
+    if has_key or insecure or is_loopback(host):
+        return None
+    return (f"refusing to serve on {host}:{port} without an API key (that is the address this cluster's Serve proxy "
+            f"binds; a running Serve instance keeps the address it started with): give a key from a file or the "
+            f"environment ({API_KEY_FILE_ENV}, api_key_file=PATH, {API_KEY_ENV}), restart Serve on 127.0.0.1, or "
+            "accept serving without auth explicitly (--insecure-no-auth, insecure_no_auth: true)")
