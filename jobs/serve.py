@@ -57,7 +57,11 @@ def main(argv=None):
                    help="allow a non-loopback --host without an API key (anyone who reaches the port may use it)")
     args = p.parse_args(argv)
     sets = parse_sets(args.set)
-    has_key = any(sets.get(k) for k in ("api_key", "api_key_file")) or any(
+    if "api_key" in sets:
+        from pipelines.serve.config import API_KEY_IN_ARGS
+
+        raise SystemExit(API_KEY_IN_ARGS)
+    has_key = bool(sets.get("api_key_file")) or any(
         os.environ.get(k) for k in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"))
     from ray import serve
 

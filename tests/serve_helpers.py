@@ -16,6 +16,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from fastapi import Request  # a module global: the routes of `replica_app` name it in (string) annotations
@@ -87,6 +88,13 @@ def save_target(folder, tokenizer):
     return folder
 
 
+def api_key_file(tmp_path_factory) -> Path:
+    """API_KEY in a file the replicas read (a key in the app's args is refused: the dashboard shows them)."""
+    path = tmp_path_factory.mktemp("serve-key") / "api-key"
+    path.write_text(API_KEY + "\n")
+    return path
+
+
 def run_app(app, name: str, route_prefix: str) -> str:
     """Deploy `app` on this session's Serve instance (started once, on 127.0.0.1 at a free port) and wait until
     healthy (`pipelines.serve.app.run_local`)."""
@@ -113,7 +121,8 @@ def live_deployment(tmp_path_factory, tokenizer) -> Live:
     args = dict(target=str(target_dir), model_name=MODEL, dtype="float32", top_k=4, depth=4, total_tokens=12,
                 max_batch_size=4, max_waiting=4, mode_policy="static", tree_max_batch=1, chain_max_batch=2,
                 max_context=256,
-                max_tokens_limit=64, api_key=API_KEY, torch_threads=1, num_cpus=0.5, num_gpus=0)
+                max_tokens_limit=64, api_key_file=str(api_key_file(tmp_path_factory)), torch_threads=1,
+                num_cpus=0.5, num_gpus=0)
     with env(EAGLE3_WORK=str(tmp_path_factory.mktemp("serve-work"))):
         args["draft"] = register_draft(folder, "tiny-echo-draft")
         app = build_app(args)  # the replica inherits EAGLE3_WORK: it resolves the registry URI itself

@@ -27,7 +27,7 @@ import torch
 
 from decode_helpers import echo_draft, single_thread  # noqa: F401 (autouse: 1 torch thread in this process)
 from eagle_core.decoding import DecodingState
-from serve_helpers import API_KEY, env, replica_app, run_app, save_target, sse_events, uvicorn_thread
+from serve_helpers import API_KEY, api_key_file, env, replica_app, run_app, save_target, sse_events, uvicorn_thread
 
 NAME = "champion-draft"
 MODEL = "tiny-champion"
@@ -78,7 +78,8 @@ def deployment(ray_cluster, tmp_path_factory, models):
         app = build_app(dict(target=str(target_dir), draft=f"models:/{NAME}@champion", draft_poll_s=POLL_S,
                              model_name=MODEL, dtype="float32", top_k=4, depth=4, total_tokens=12,
                              max_batch_size=4, max_waiting=8, mode_policy="static", tree_max_batch=1,
-                             chain_max_batch=2, max_context=256, max_tokens_limit=64, api_key=API_KEY,
+                             chain_max_batch=2, max_context=256, max_tokens_limit=64,
+                             api_key_file=str(api_key_file(tmp_path_factory)),
                              torch_threads=1, num_cpus=0.5, num_gpus=0, num_replicas=2))
     url = run_app(app, "eagle3-champion", "/champion")
     yield url, client

@@ -361,6 +361,27 @@ def test_the_deployment_never_puts_the_key_into_runtime_env(monkeypatch):
     assert app._bound_deployment.init_args[0]["require_api_key"] is True
 
 
+def test_a_key_in_the_apps_arguments_is_refused_naming_the_file_and_the_environment(monkeypatch):
+    """Issue 54 (5): the app's args are shown by the Ray dashboard and kept in the RayService object, so a key there
+    (`--set api_key=...`, `api_key:` in a Serve config) is refused, by the builder and by jobs/serve.py, with an
+    error that says where a key may come from."""
+    import importlib.util
+    from pathlib import Path
+
+    from pipelines.serve.app import build_app
+
+    for name in ("EAGLE3_SERVE_API_KEY", "EAGLE3_SERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"api_key_file=PATH.*EAGLE3_SERVE_API_KEY_FILE.*EAGLE3_SERVE_API_KEY"):
+        build_app({"target": "t", "api_key": "s3cret", "num_gpus": 0})
+    spec = importlib.util.spec_from_file_location("job_serve", Path(__file__).resolve().parents[1] / "jobs" / "serve.py")
+    serve_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_job)
+    with pytest.raises(SystemExit, match=r"refused: they are shown by the Ray dashboard"):
+        serve_job.main(["--host", "127.0.0.1", "--set", "api_key=s3cret", "--no-block"])
+    assert build_app({"target": "t", "api_key_file": "/etc/eagle3/serve/api-key", "num_gpus": 0})
+
+
 def test_sigterm_ends_every_in_flight_request_with_a_final_event(models, tiny_target_dir, tmp_path):
     """A server process with three streams in flight (200 tokens each, 0.1 s a round: ~20 s of work) gets SIGTERM:
     within its 1 s drain every stream ends with a final event (a finish chunk, or the shutdown error) and [DONE],

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from pipelines.serve import protocol as P
 
 from pipelines.serve import responses as R
-from pipelines.serve.config import DeploymentOptions, ServeConfig, keyless_exposure
+from pipelines.serve.config import API_KEY_IN_ARGS, DeploymentOptions, ServeConfig, keyless_exposure
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
@@ -333,7 +333,9 @@ def deployment_options(options: DeploymentOptions) -> dict:
 def build_app(args: dict | None = None):
     """Application builder for `serve run` / `serve deploy` (import path `pipelines.serve.app:build_app`)."""
     config, options = split_args(args)
-    if os.environ.get("EAGLE3_SERVE_API_KEY") and not (config.api_key or config.api_key_file):
+    if config.api_key:
+        raise ValueError(API_KEY_IN_ARGS)
+    if os.environ.get("EAGLE3_SERVE_API_KEY") and not config.api_key_file:
         # the driver has a token the replicas may not see (they run elsewhere, runtime_env does not carry it):
         # make a replica without one refuse to start rather than serve without auth
         log.warning("EAGLE3_SERVE_API_KEY is set but not copied to the replicas; they use EAGLE3_SERVE_API_KEY "

@@ -57,7 +57,9 @@ class ServeConfig:
     stall_timeout_s: float = 120.0
     drain_s: float = 30.0  # on shutdown, running requests may finish for this long; then they get an error event
     # ---- HTTP ------------------------------------------------------------------------------------------
-    api_key: str | None = None  # bearer token; None = no auth (loopback only by default)
+    # bearer token, for a Service built in this process only: the Serve app refuses it in its args, which the Ray
+    # dashboard and the RayService object show (API_KEY_IN_ARGS); None = the file or environment below, else no auth
+    api_key: str | None = None
     # a file holding the bearer token (a mounted Secret): the token never travels in the app's args or in
     # runtime_env, both of which the Ray dashboard shows; EAGLE3_SERVE_API_KEY_FILE names one too
     api_key_file: str | None = None
@@ -177,6 +179,10 @@ class DeploymentOptions:
 
 API_KEY_ENV = "EAGLE3_SERVE_API_KEY"
 API_KEY_FILE_ENV = "EAGLE3_SERVE_API_KEY_FILE"
+API_KEY_IN_ARGS = ("an API key in the app's arguments (api_key, --set api_key=...) is refused: they are shown by the "
+                   "Ray dashboard and kept in the RayService object. Give it from a file (api_key_file=PATH, "
+                   f"--set api_key_file=PATH, or ${API_KEY_FILE_ENV}; on Kubernetes a mounted Secret) or from the "
+                   f"replicas' environment (${API_KEY_ENV})")
 
 
 def resolve_api_key(config: ServeConfig) -> str | None:
