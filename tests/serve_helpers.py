@@ -157,7 +157,6 @@ def replica_app(service):
     """One replica's routes without Ray: `Routes` over `service` (a `Service`, or a fake with its interface),
     wired as SpecDecodeServer wires them."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response
 
     from pipelines.serve import app as serve_app
     from pipelines.serve import protocol as P
@@ -179,13 +178,12 @@ def replica_app(service):
         return await routes.models(request)
 
     @api.get("/health")
-    async def health():
-        body = service.health_body()
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+    async def health(request: Request):
+        return await routes.health(request)
 
     @api.get("/metrics")
-    async def metrics():
-        return Response(service.metrics.exposition(), media_type="text/plain")
+    async def metrics(request: Request):
+        return await routes.metrics(request)
 
     return api
 

@@ -43,6 +43,10 @@ class FakeService:
         if headers.get("authorization") == "Bearer wrong":
             raise P.ApiError(401, "missing or invalid bearer token", type="authentication_error")
 
+    def health_body(self):
+        return {"status": "ok", "model": "fake", "speculative": True, "draft_version": "7", "running": 3,
+                "waiting": 2}
+
     def models_body(self):
         if self.fail is not None:
             raise self.fail
@@ -111,6 +115,25 @@ def assert_still_serving(service, client):
 
 
 # ---- errors -----------------------------------------------------------------------------------------------
+
+def test_health_says_only_the_status_and_metrics_need_the_key_without_it(fake, monkeypatch):
+    """Issue 54 (6): without the key (where one is set) /health tells a probe the status and nothing else (no draft
+    version, queue depth or model), and /metrics (the queue, the draft, the clients' own labels) answers 401; with
+    the key both answer in full. The key check is Service's own."""
+    from pipelines.serve.service import Service
+
+    service, client = fake
+    monkeypatch.setattr(service, "api_key", "k3y", raising=False)
+    monkeypatch.setattr(service, "authorize", Service.authorize.__get__(service))
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = client.get("/health", headers=headers)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert_openai_error(client.get("/metrics", headers=headers), 401)
+    key = {"Authorization": "Bearer k3y"}
+    assert client.get("/health", headers=key).json() == service.health_body()
+    r = client.get("/metrics", headers=key)
+    assert r.status_code == 200 and "eagle3_serve_requests_total" in r.text
+
 
 @pytest.mark.parametrize("exc", [RuntimeError("boom: /secret/path"), KeyError("x"), RecursionError(),
                                  ZeroDivisionError()])

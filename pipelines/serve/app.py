@@ -4,7 +4,8 @@
   serve deploy infra/serve.yaml          (or: python jobs/serve.py ...)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health (no auth: probes), GET /metrics (Prometheus text of this replica; no auth: scrapers).
+GET /health (no auth: probes; without the key, where one is set, only the status), GET /metrics (Prometheus
+text of this replica; behind the key when one is set: scrapers send it as a bearer token).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see real types on the ingress methods
@@ -211,6 +212,25 @@ class Routes:
         done(200)
         return JSONResponse(body)
 
+    async def health(self, request: Request) -> Response:
+        """Probes need only the status: without the key (where one is set) that is all the body says; the
+        detail (model, draft version, queue depth) is for those who hold the key."""
+        body = self.service.health_body()
+        code = 200 if body["status"] == "ok" else 503
+        try:
+            self.service.authorize(request.headers)
+        except P.ApiError:
+            body = {"status": body["status"]}
+        return JSONResponse(body, status_code=code)
+
+    async def metrics(self, request: Request) -> Response:
+        """The replica's Prometheus text, behind the key when one is set (its labels are the clients' own)."""
+        try:
+            self.service.authorize(request.headers)
+        except Exception as exc:
+            return error_response(exc)
+        return Response(self.service.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
 
 api = FastAPI(title="EAGLE-3 speculative decoding", docs_url=None, redoc_url=None, openapi_url=None)
 add_error_handlers(api)
@@ -246,13 +266,12 @@ class SpecDecodeServer:
         return await self.routes.models(request)
 
     @api.get("/health")
-    async def health(self):
-        body = self.service.health_body()
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+    async def health(self, request: Request):
+        return await self.routes.health(request)
 
     @api.get("/metrics")
-    async def metrics(self):
-        return Response(self.service.metrics.exposition(), media_type="text/plain; version=0.0.4")
+    async def metrics(self, request: Request):
+        return await self.routes.metrics(request)
 
     def check_health(self):
         """Serve's replica health check: a dead engine thread, or requests pending with no progress for
