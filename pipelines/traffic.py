@@ -15,10 +15,14 @@ so `jobs/train.py --features URL` trains on it as on an extraction's output. Sha
 creation time (milliseconds, fixed width): the oldest sort first, which retention removes first.
 
 Guarantees:
-- `record` never raises and never waits: a sampling draw and a bounded queue's put (full: the record is dropped
-  and counted). Everything else (the redaction hook, the mask, moving features to the host, Parquet, the store)
-  runs on one background thread, which flushes a shard when it holds `rows_per_shard` rows, when its oldest row
-  waited `flush_after_s`, and on `flush()` / `close()`.
+- `record` never raises and never waits: a sampling draw, an asynchronous copy of device features into pinned host
+  memory (the device's memory is free once the copy lands; the writer waits for it, the caller does not) and a
+  bounded queue's put. What is not committed yet (queued, buffered, being written) is bounded in bytes as well as
+  in records (`max_pending_bytes`, `max_pending`): a record past either bound is dropped and counted, so a stalled
+  store holds at most `max_pending_bytes` of this process's memory, and no device memory. Everything else (the
+  redaction hook, the mask, Parquet, the store) runs on one background thread, which flushes a shard when it holds
+  `rows_per_shard` rows or half of `max_pending_bytes`, when its oldest row waited `flush_after_s`, and on
+  `flush()` / `close()`.
 - A store failure (full disk, unreachable store, a fingerprint mismatch) drops that shard's rows and counts them
   (`stats()["dropped"]`); nothing is retried, nothing reaches the caller.
 - Every file is written whole or not at all (`pipelines.storage.commit_bytes`: a temporary name then a rename;
@@ -55,6 +59,25 @@ from pipelines.traffic_config import CORPUS, ServedConversation, TrafficConfig, 
 _STOP = object()  # queued by close(): the writer thread ends now instead of at its next poll
 
 
+def _nbytes(features) -> int:
+    """Bytes of a record's features (0 without)."""
+    if features is None:
+        return 0
+    return sum(int(x.numel()) * x.element_size() for x in features)
+
+
+def _to_host(features):
+    """(features on the host, the CUDA event their copy completes at, or None). Device features are copied into
+    pinned host memory without waiting (the caller is the decoding thread); the writer waits for the event."""
+    if features is None or not any(x.is_cuda for x in features):
+        return features, None
+    host = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x.detach(), non_blocking=True)
+            for x in features]
+    event = torch.cuda.Event()
+    event.record()
+    return type(features)(*host), event
+
+
 def resolve_hook(spec: str | Callable | None) -> Callable | None:
     """A callable, or "module:function" imported here (so a bad path fails when the sink is built)."""
     if spec is None or callable(spec):
@@ -83,6 +106,7 @@ class TrafficSink:
         self._lock = threading.Lock()  # guards the counters, read by stats() from any thread
         self._counts = Counter()
         self._dropped = Counter()
+        self._pending_bytes = 0  # bytes of records held and not committed (under _lock)
         self.last_error: str | None = None
         if not self.enabled:
             return
@@ -99,6 +123,7 @@ class TrafficSink:
         self.hidden = target_config.hidden_size
         self.writer = uuid.uuid4().hex[:8]  # this sink's shards, beside other replicas' in the same folder
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending)
+        self._buffer_held = 0  # bytes of the records in the buffer and the shard being written (writer thread)
         self._buffer: list = []  # FeatureRow of the shard being filled (writer thread only)
         self._row_meta: dict[str, dict] = {}  # buffered row id -> its conversation's meta (e.g. the category)
         self._buffer_bytes = 0
@@ -129,10 +154,19 @@ class TrafficSink:
                     and self._committed_bytes >= self.config.max_bytes:
                 self._drop("size_cap")
                 return False
-            item = ServedConversation(id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids),
-                                      answer_ids=list(answer_ids), messages=messages, tools=tools,
-                                      features=features, meta=dict(meta or {}))
-            self._queue.put_nowait(item)
+            nbytes = 8 * (len(prompt_ids) + len(answer_ids)) + _nbytes(features)
+            if not self._hold(nbytes):
+                self._drop("pending_bytes")
+                return False
+            try:
+                features, copied = _to_host(features)
+                item = ServedConversation(id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids),
+                                          answer_ids=list(answer_ids), messages=messages, tools=tools,
+                                          features=features, meta=dict(meta or {}))
+                self._queue.put_nowait((item, nbytes, copied))
+            except BaseException:
+                self._release(nbytes)
+                raise
             return True
         except queue.Full:
             self._drop("queue_full")
@@ -140,12 +174,24 @@ class TrafficSink:
             self._drop("record_error", err)
         return False
 
+    def _hold(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._pending_bytes + nbytes > self.config.max_pending_bytes:
+                return False
+            self._pending_bytes += nbytes
+            return True
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= nbytes
+
     def stats(self) -> dict:
         """Counters: offered, sampled_out, queued rows written (`rows`), `shards`, `bytes` committed, and
         `dropped` by reason (queue_full, size_cap, redacted, redaction_error, no_features, bad_features,
         no_loss_tokens, store_error, fingerprint_mismatch, ...)."""
         with self._lock:
-            return {**self._counts, "dropped": dict(self._dropped), "last_error": self.last_error}
+            return {**self._counts, "dropped": dict(self._dropped), "last_error": self.last_error,
+                    "pending_bytes": self._pending_bytes}
 
     def flush(self, timeout: float = 60.0) -> None:
         """Write what is queued and buffered now (a partial shard too); waits up to `timeout` seconds."""
@@ -191,10 +237,14 @@ class TrafficSink:
                 item.set()
                 continue
             if item is not None:
-                self._add(item)
-            if self._buffer and (len(self._buffer) >= self.config.rows_per_shard
-                                 or time.monotonic() - self._oldest >= self.config.flush_after_s):
+                self._add(*item)
+            if self._buffer and (self._full() or time.monotonic() - self._oldest >= self.config.flush_after_s):
                 self._flush_buffer()
+
+    def _full(self) -> bool:
+        """The buffer makes a shard: `rows_per_shard` rows, or half the bytes the sink may hold."""
+        return len(self._buffer) >= self.config.rows_per_shard or \
+            2 * self._buffer_held >= self.config.max_pending_bytes
 
     def _drain(self, force: bool = False) -> None:
         """Everything queued into the buffer, shards committed as they fill; `force`: the rest too."""
@@ -208,13 +258,26 @@ class TrafficSink:
                 continue
             if item is _STOP:
                 continue
-            self._add(item)
-            if len(self._buffer) >= self.config.rows_per_shard:
+            self._add(*item)
+            if self._full():
                 self._flush_buffer()
         if force and self._buffer:
             self._flush_buffer()
 
-    def _add(self, item: ServedConversation) -> None:
+    def _add(self, item: ServedConversation, nbytes: int = 0, copied=None) -> None:
+        """The record's `nbytes` stay held while its row is buffered and written; released if it is dropped here."""
+        if copied is not None:
+            copied.synchronize()  # its features' copy to the host has landed
+        self._buffer_held += nbytes
+        rows = len(self._buffer)
+        try:
+            self._add_row(item)
+        finally:
+            if len(self._buffer) == rows:  # dropped: nothing of it is held any longer
+                self._buffer_held -= nbytes
+                self._release(nbytes)
+
+    def _add_row(self, item: ServedConversation) -> None:
         """Redact, mask, truncate, check the features; the row joins the buffer (or is dropped and counted)."""
         from eagle_core.chat import served_loss_mask
         from eagle_core.features import FeatureRow
@@ -283,6 +346,7 @@ class TrafficSink:
 
     def _flush_buffer(self) -> None:
         rows, self._buffer, self._buffer_bytes, self._oldest = self._buffer, [], 0, None
+        held, self._buffer_held = self._buffer_held, 0
         meta = {r.id: self._row_meta.pop(r.id) for r in rows if r.id in self._row_meta}
         try:
             self._commit_shard(rows, meta)
@@ -296,6 +360,9 @@ class TrafficSink:
             except Exception as err:  # noqa: BLE001 -- the shard is committed; the next commit lists it
                 self._count("manifest_errors")
                 self.last_error = f"manifest: {err}"
+        finally:
+            del rows
+            self._release(held)  # written or dropped: the rows' memory is free
 
     def _prepare(self) -> None:
         """Before the first shard: the output's fingerprint must be this sink's (or it is recorded now)."""

@@ -26,14 +26,17 @@ class TrafficConfig:
     max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
     max_age_s: float | None = None  # retention: shards older than this are removed
     max_pending: int = 1024  # records queued for the writer thread; beyond it new ones are dropped (counted)
+    # bytes the sink holds for records not yet committed (queued, buffered, being written: their features and ids);
+    # beyond it new records are dropped (counted "pending_bytes"), so a stalled store holds this much at most
+    max_pending_bytes: int = 1 << 30
     redact: str | None = None  # "module:function" of a redaction hook (or pass a callable to TrafficSink)
     seed: int = 0  # the sampling draws
 
     def __post_init__(self):
         if not 0.0 <= self.sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be within [0, 1], got {self.sample_rate}")
-        if self.rows_per_shard < 1 or self.max_pending < 1:
-            raise ValueError("rows_per_shard and max_pending must be >= 1")
+        if self.rows_per_shard < 1 or self.max_pending < 1 or self.max_pending_bytes < 1:
+            raise ValueError("rows_per_shard, max_pending and max_pending_bytes must be >= 1")
 
 
 @dataclass

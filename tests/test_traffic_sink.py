@@ -294,8 +294,59 @@ class SlowFS(MemoryFileSystem):
         return super().pipe_file(path, value, **kwargs)
 
 
+class StalledFS(MemoryFileSystem):
+    """Every write waits until `release` is set (a store that stopped answering)."""
+
+    protocol = "stalledstore"
+    release = threading.Event()
+
+    def pipe_file(self, path, value, **kwargs):
+        StalledFS.release.wait(120)
+        return super().pipe_file(path, value, **kwargs)
+
+
 fsspec.register_implementation("fulldisk", FullDiskFS, clobber=True)
 fsspec.register_implementation("slowstore", SlowFS, clobber=True)
+fsspec.register_implementation("stalledstore", StalledFS, clobber=True)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every torch storage this process's Python objects reach (each storage once)."""
+    import gc
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_a_stalled_store_holds_no_more_than_the_byte_bound():
+    """Issue 54 (7): 1 000 records behind a store whose writes never return. The count bound (1 024 records) would
+    hold every one of them; the byte bound holds what fits in `max_pending_bytes` (the shard being written
+    included) and drops the rest, counted, without holding the caller up. Measured on what the process really keeps:
+    the bytes of every tensor storage still reachable (each record's features are 8 x 32 floats, 1 KiB). The same
+    bound on a GPU host measured by `python -m bench.sink_memory` (a benchmark, not a timed test)."""
+    bound = 16 * 1024
+    StalledFS.release.clear()
+    before = live_tensor_bytes()
+    sink = fake_sink(f"stalledstore://{uuid.uuid4().hex}/traffic", rows_per_shard=4, max_pending_bytes=bound)
+    try:
+        assert sum(offer(sink, 1000)) < 40
+        time.sleep(0.2)  # the writer has taken what it will take
+        held = live_tensor_bytes() - before
+        stats = sink.stats()
+        assert held <= bound, f"{held} bytes of tensors held behind a stalled store (bound {bound})"
+        assert stats["pending_bytes"] <= bound
+        assert stats["dropped"]["pending_bytes"] > 900
+    finally:
+        StalledFS.release.set()
+        sink.close(timeout=30)
+    stats = sink.stats()
+    assert stats["offered"] == 1000 == stats.get("rows", 0) + sum(stats["dropped"].values())
+    assert stats["pending_bytes"] == 0
 
 
 def test_a_full_store_loses_no_call_and_counts_every_drop():

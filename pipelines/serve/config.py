@@ -97,6 +97,8 @@ class ServeConfig:
     traffic_max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
     traffic_max_age_s: float | None = None  # retention: shards older than this are removed
     traffic_max_pending: int = 1024  # records queued for the sink's writer thread; beyond it new ones are dropped
+    # bytes of records not yet committed (features, ids) the sink may hold in host memory; beyond it new ones are dropped
+    traffic_max_pending_bytes: int = 1 << 30
     traffic_redact: str | None = None  # "package.module:function" applied to each conversation before it is written
     traffic_close_s: float = 30.0  # on shutdown, what is buffered is written for at most this long
 
@@ -141,7 +143,8 @@ class ServeConfig:
                              features=self.traffic_features, rows_per_shard=self.traffic_rows_per_shard,
                              flush_after_s=self.traffic_flush_after_s, max_bytes=self.traffic_max_bytes,
                              max_shards=self.traffic_max_shards, max_age_s=self.traffic_max_age_s,
-                             max_pending=self.traffic_max_pending, redact=self.traffic_redact)
+                             max_pending=self.traffic_max_pending,
+                             max_pending_bytes=self.traffic_max_pending_bytes, redact=self.traffic_redact)
 
     @property
     def served_name(self) -> str:
