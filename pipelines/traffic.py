@@ -28,8 +28,9 @@ Guarantees:
 - Every file is written whole or not at all (`pipelines.storage.commit_bytes`: a temporary name then a rename;
   one PUT on object stores), so a writer killed mid-write leaves no shard a reader lists (a `.tmp-` file at most).
 - A size cap (`max_bytes`, the committed shards' bytes): records beyond it are dropped and counted. Retention
-  (`max_shards`, `max_age_s`): after each commit the oldest shards beyond the limits leave the manifest first, then
-  the store. Several replicas may share one URL (each its own writer id); each rebuilds the manifest from the
+  (`max_shards`, `max_age_s`): after each commit the oldest shards beyond the limits are retired (a tombstone every
+  replica reads: they leave every manifest), and leave the store `retention_grace_s` later, when no manifest lists
+  them (a training run that read a manifest before has that long to read its shards). Several replicas may share one URL (each its own writer id); each rebuilds the manifest from the
   shards listed there, so one replica's manifest may miss another's newest shard until the next commit.
 """
 
@@ -51,11 +52,13 @@ import torch
 
 from pipelines.feature_files import (DTYPE_NAMES, FEATURE_SCHEMA, SHARD_META_KEY, FeatureManifest,
                                      FingerprintMismatch, ShardEntry, check_fingerprint, committed_shards,
-                                     feature_table, read_shard_summary, write_manifest)
+                                     feature_table, load_manifest, read_shard_summary,
+                                     write_manifest)
 from pipelines.hooks import import_callable
 from pipelines.storage import commit_bytes, exists, join, read_bytes, url_to_fs
 from pipelines.traffic_config import CORPUS, ServedConversation, TrafficConfig, traffic_fingerprint
 
+RETIRED = "retired"  # the tombstones of retired shards (`_refresh_manifest`)
 _STOP = object()  # queued by close(): the writer thread ends now instead of at its next poll
 
 
@@ -435,23 +438,59 @@ class TrafficSink:
         return names
 
     def _refresh_manifest(self) -> None:
-        """Retention first (the removed shards leave the manifest before the store), then the manifest of the
-        shards listed now."""
+        """Retention in two steps, then the manifest of the live shards. A shard past the limits is *retired*: a
+        tombstone `retired/<shard>.<ms>.json` that every replica reads takes it out of every manifest written from
+        then on. It leaves the store only `retention_grace_s` later (longer than a training run reads the shards its
+        manifest named), and only if the manifest there now does not list it: a replica that listed the folder before
+        the tombstone and wrote its manifest after it would otherwise name a deleted shard."""
         names = self._list()
-        expired = self._expired(names)
-        keep = [n for n in names if n not in expired]
-        write_manifest(self.config.url, self._manifest(keep))
+        now_ms = int(time.time() * 1000)
+        retired = self._retired()
+        live = [n for n in names if n not in retired]
+        expired = self._expired(live)
+        for name in expired:
+            commit_bytes(join(self.config.url, RETIRED, f"{name}.{now_ms}.json"), b"{}")
+            retired[name] = now_ms
         if expired:
+            self._count("shards_retired", len(expired))
+        keep = [n for n in live if n not in expired]
+        write_manifest(self.config.url, self._manifest(keep))
+        due = [n for n, ms in retired.items() if n in names and now_ms - ms >= self.config.retention_grace_s * 1000]
+        if due:
+            listed = {s.name for s in load_manifest(self.config.url).shards}  # another replica's, maybe
             fs, _ = url_to_fs(self.config.url)
-            for name in expired:
+            for name in due:
+                if name in listed:
+                    self._count("removals_deferred")  # listed by a manifest again: the next refresh rewrites it
+                    continue
                 try:
                     fs.rm(url_to_fs(join(self.config.url, "features", f"{name}.parquet"))[1])
                 except FileNotFoundError:  # another replica removed it first
                     pass
                 self._summaries.pop(name, None)
                 self._bytes.pop(name, None)
-            self._committed_bytes = sum(self._bytes[n] for n in keep)
-            self._count("shards_removed", len(expired))
+                self._count("shards_removed")
+                names.remove(name)
+            self._committed_bytes = sum(self._bytes.values())
+        for name, ms in retired.items():  # tombstones of shards no longer in the store
+            if name not in names:
+                try:
+                    url_to_fs(self.config.url)[0].rm(url_to_fs(join(self.config.url, RETIRED, f"{name}.{ms}.json"))[1])
+                except FileNotFoundError:
+                    pass
+
+    def _retired(self) -> dict[str, int]:
+        """Retired shard -> when it was retired (ms), from the tombstones every replica writes."""
+        fs, path = url_to_fs(join(self.config.url, RETIRED))
+        if not fs.exists(path):
+            return {}
+        out = {}
+        for entry in fs.ls(path, detail=False):
+            stem = entry.rsplit("/", 1)[-1].removesuffix(".json")
+            name, _, ms = stem.rpartition(".")
+            if name and ms.isdigit():
+                out[name] = min(int(ms), out.get(name, int(ms)))
+        return out
 
     def _expired(self, names: list[str]) -> list[str]:
         expired = []

@@ -25,6 +25,9 @@ class TrafficConfig:
     max_bytes: int | None = None  # size cap of the committed shards; records beyond it are dropped (counted)
     max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
     max_age_s: float | None = None  # retention: shards older than this are removed
+    # a retired shard leaves the store this long after it left the manifests (and only if none lists it again):
+    # longer than a training run reads the shards of the manifest it started from
+    retention_grace_s: float = 86400.0
     max_pending: int = 1024  # records queued for the writer thread; beyond it new ones are dropped (counted)
     # bytes the sink holds for records not yet committed (queued, buffered, being written: their features and ids);
     # beyond it new records are dropped (counted "pending_bytes"), so a stalled store holds this much at most
@@ -35,6 +38,8 @@ class TrafficConfig:
     def __post_init__(self):
         if not 0.0 <= self.sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be within [0, 1], got {self.sample_rate}")
+        if self.retention_grace_s < 0:
+            raise ValueError(f"retention_grace_s must be >= 0, got {self.retention_grace_s}")
         if self.rows_per_shard < 1 or self.max_pending < 1 or self.max_pending_bytes < 1:
             raise ValueError("rows_per_shard, max_pending and max_pending_bytes must be >= 1")
 

@@ -461,7 +461,7 @@ def test_sampling_redaction_size_cap_and_retention(tmp_path):
 
     # retention by count: the oldest shards leave the manifest and the store
     url = str(tmp_path / "kept")
-    sink = fake_sink(url, max_shards=2, rows_per_shard=1, start=False)
+    sink = fake_sink(url, max_shards=2, rows_per_shard=1, retention_grace_s=0, start=False)
     names = []
     for _ in range(4):
         offer(sink, 1)
@@ -469,13 +469,61 @@ def test_sampling_redaction_size_cap_and_retention(tmp_path):
         names.append(load_manifest(url).shards[-1].name)
         time.sleep(0.002)  # distinct creation times
     assert [s.name for s in load_manifest(url).shards] == names[2:] and committed_shards(url) == set(names[2:])
-    assert sink.stats()["shards_removed"] == 2
+    assert sink.stats()["shards_removed"] == 2 and not any((tmp_path / "kept" / "retired").iterdir())
 
     # retention by age: from the creation time in the shard names
     now_ms = int(time.time() * 1000)
     old, new = f"shard-{now_ms - 90_000:013d}-w-0", f"shard-{now_ms - 1_000:013d}-w-1"
     aged = fake_sink(str(tmp_path / "aged"), max_age_s=60, start=False)
     assert aged._expired([old, new]) == [old]
+
+
+def test_retention_never_deletes_a_shard_a_manifest_lists_nor_one_a_training_read_started_on(tmp_path, monkeypatch):
+    """Issue 54 (8), two replicas on one folder, each keeping one shard. (a) Replica B lists the folder, then stalls
+    before writing its manifest; meanwhile A commits and retires B's shard; then B's manifest (naming that shard)
+    lands. Every shard any manifest has listed must still be in the store: a retired shard leaves only after the
+    grace period and only when the manifest there no longer lists it (A's next refresh rewrites it). (b) A training
+    run that read the manifest before the retirement reads all its shards within the grace period."""
+    import pipelines.traffic as traffic
+    from pipelines.train.plan import scan_features
+
+    url = str(tmp_path / "traffic")
+    a = fake_sink(url, max_shards=1, rows_per_shard=1, retention_grace_s=0.5, start=False)
+    b = fake_sink(url, max_shards=1, rows_per_shard=1, retention_grace_s=0.5, start=False)
+    offer(b, 1)
+    b.flush()
+    first = load_manifest(url)
+    started = threading.Event()
+    go = threading.Event()
+    real_write = traffic.write_manifest
+
+    def stalled_write(output, manifest):
+        if threading.current_thread().name == "replica-b":
+            started.set()
+            assert go.wait(30)
+        real_write(output, manifest)
+
+    monkeypatch.setattr(traffic, "write_manifest", stalled_write)
+    time.sleep(0.002)
+    b_thread = threading.Thread(target=b._refresh_manifest, name="replica-b")  # lists the folder, then stalls
+    b_thread.start()
+    assert started.wait(30)
+    offer(a, 1)
+    a.flush()  # commits its shard, retires B's (max_shards=1)
+    go.set()
+    b_thread.join(30)  # B's manifest, from its listing before the retirement
+    listed = {s.name for s in load_manifest(url).shards}
+    assert listed <= committed_shards(url), "a manifest names a deleted shard"
+    assert len(scan_features(url, [s.name for s in first.shards])) == 1  # (b): a read begun on the first manifest
+    time.sleep(0.6)  # past the grace period
+    offer(a, 1)
+    a.flush()
+    for _ in range(2):  # the next refreshes: stale listings rewritten, then what nothing lists is removed
+        a._refresh_manifest()
+        assert {s.name for s in load_manifest(url).shards} <= committed_shards(url)
+    time.sleep(0.6)
+    a._refresh_manifest()
+    assert committed_shards(url) == {s.name for s in load_manifest(url).shards} and len(committed_shards(url)) == 1
 
 
 def test_short_or_foreign_features_are_dropped_not_written(tmp_path):

@@ -96,6 +96,8 @@ class ServeConfig:
     traffic_max_bytes: int | None = None  # size cap of the committed shards; records beyond it are dropped (counted)
     traffic_max_shards: int | None = None  # retention: the oldest shards beyond this many are removed
     traffic_max_age_s: float | None = None  # retention: shards older than this are removed
+    # retention: a retired shard leaves the store this long after it left the manifests (longer than a training read)
+    traffic_retention_grace_s: float = 86400.0
     traffic_max_pending: int = 1024  # records queued for the sink's writer thread; beyond it new ones are dropped
     # bytes of records not yet committed (features, ids) the sink may hold in host memory; beyond it new ones are dropped
     traffic_max_pending_bytes: int = 1 << 30
@@ -143,6 +145,7 @@ class ServeConfig:
                              features=self.traffic_features, rows_per_shard=self.traffic_rows_per_shard,
                              flush_after_s=self.traffic_flush_after_s, max_bytes=self.traffic_max_bytes,
                              max_shards=self.traffic_max_shards, max_age_s=self.traffic_max_age_s,
+                             retention_grace_s=self.traffic_retention_grace_s,
                              max_pending=self.traffic_max_pending,
                              max_pending_bytes=self.traffic_max_pending_bytes, redact=self.traffic_redact)
 
