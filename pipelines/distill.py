@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -37,7 +39,7 @@ from eagle_core.vocab import TokenCounter, build_vocab_mapping
 from eagle_core.recipe import REFERENCE
 from pipelines import console
 from pipelines.cli import config_from_fields, option
-from pipelines.storage import commit_bytes
+from pipelines.storage import commit_bytes, replace_folder
 from pipelines.train.model import warm_start
 
 
@@ -208,13 +210,23 @@ class Distiller:
         state = train_state_dict(draft, opt, sched, progress.step)
         state.update(conversations_seen=progress.seen, mlflow_run_id=progress.run_id or "",
                      cpu_s=progress.cpu_s, tokens=progress.tokens)
-        tmp = self.out / "state.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.out / "state.pt")
-        save_draft(draft, self.out / "draft", dtype=torch.bfloat16)
-        info = {"step": progress.step, "conversations_seen": progress.seen, "cpu_s": round(progress.cpu_s, 1),
-                "tokens": progress.tokens, "config": asdict(self.cfg), **metrics}
-        commit_bytes(str(self.out / "draft" / "training.json"), (json.dumps(info, indent=2) + "\n").encode())
+        # a temporary name of this save's own (never another process's), renamed over state.pt whole
+        tmp = self.out / f"state.pt.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, self.out / "state.pt")
+        finally:
+            tmp.unlink(missing_ok=True)
+        # the draft is written beside draft/ and swapped in whole: a reader (or a failed save) sees the old or the new
+        staging = self.out / f"draft.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            save_draft(draft, staging, dtype=torch.bfloat16)
+            info = {"step": progress.step, "conversations_seen": progress.seen, "cpu_s": round(progress.cpu_s, 1),
+                    "tokens": progress.tokens, "config": asdict(self.cfg), **metrics}
+            commit_bytes(str(staging / "training.json"), (json.dumps(info, indent=2) + "\n").encode())
+            replace_folder(staging, self.out / "draft")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def rows(self, chunk: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
         """Training rows of a chunk of conversations, with the answers `cfg.answers` asks for."""

@@ -7,7 +7,8 @@
   (the object appears whole or not at all), so it is one `pipe`. `commit_stream` does the same for a file
   written chunk by chunk (never whole in memory): locally the same temporary file and rename, on an object
   store a multipart upload that only a completed close makes visible (a failure aborts it).
-- `upload_folder` copies a local folder to a URL: to a temporary sibling first, swapped in after.
+- `upload_folder` copies a local folder to a URL: to a temporary sibling first, swapped in after; a failure at any
+  step leaves the old folder (`replace_folder`: a local folder swapped in one atomic exchange).
 - `arrow_filesystem` hands Ray Data and Ray Train the same filesystem fsspec resolved, endpoint and credentials
   included (pyarrow's own S3 resolution ignores `AWS_ENDPOINT_URL`, s3fs honours it): what the pipeline writes
   through fsspec, Ray reads from the same place.
@@ -138,37 +139,90 @@ def read_bytes(url: str) -> bytes:
         return f.read()
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing local paths in one step (Linux renameat2 RENAME_EXCHANGE): every reader of either path sees
+    one whole folder or the other, never neither. False where the system or filesystem cannot (nothing changed)."""
+    import ctypes
+    import errno as errnos
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errnos.EINVAL, errnos.ENOSYS, errnos.ENOTSUP):
+        return False
+    raise OSError(err, f"swapping {a} and {b}: {os.strerror(err)}")
+
+
+def replace_folder(staging: str | Path, dest: str | Path) -> None:
+    """Put the complete local folder `staging` at `dest`, replacing what is there; `staging` is gone after. A reader
+    sees the old folder or the new one, whole: one atomic exchange where the filesystem has it; elsewhere two renames,
+    and a failure of the second puts the old folder back. A failure at any step leaves `dest` the old folder."""
+    staging, dest = str(staging), str(dest)
+    if not os.path.exists(dest):
+        os.rename(staging, dest)
+        return
+    if _exchange(staging, dest):  # the old folder is at `staging` now
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    old = f"{dest}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(dest, old)
+    try:
+        os.rename(staging, dest)
+    except BaseException:
+        os.rename(old, dest)  # the old folder back where readers look
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def upload_folder(folder: Path, url: str) -> None:
     """Copy a local folder to `url`, replacing what is there, without ever deleting the old copy before the new
     one is complete: every file is uploaded to a temporary sibling `<url>.tmp-<random>` first (a failure there
-    removes it and leaves `url` as it was), then swapped in. A local destination is swapped by two renames; an
-    object store has no rename, so each new file is copied over its old key server-side (one atomic PUT each)
-    and only then are the keys the new folder lacks removed."""
+    removes it and leaves `url` as it was), then swapped in. A local destination is swapped by `replace_folder`
+    (one atomic exchange). An object store has no rename: the old keys are first copied server-side to
+    `<url>.old-<random>`, then each new file is copied over its old key (one atomic PUT each) and the keys the new
+    folder lacks are removed; a failure there puts the old keys back, so a failure at any step leaves the old folder
+    whole. (A reader listing the folder *during* that swap may still see a mix: object stores have no atomic
+    folder swap.)"""
     fs, root = url_to_fs(url)
     root = root.rstrip("/")
     staging = f"{root}.tmp-{uuid.uuid4().hex[:8]}"
     files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    backup = None
     try:
         for path in files:
             dest = f"{staging}/{path.relative_to(folder).as_posix()}"
             fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
             fs.put_file(str(path), dest)
         if not is_remote(url):
-            old = f"{root}.old-{uuid.uuid4().hex[:8]}"
-            if os.path.exists(root):
-                os.rename(root, old)
-            os.rename(staging, root)
-            shutil.rmtree(old, ignore_errors=True)
+            replace_folder(staging, root)
             return
         names = {path.relative_to(folder).as_posix() for path in files}
-        for name in sorted(names):
-            fs.copy(f"{staging}/{name}", f"{root}/{name}")
-        stale = [p for p in (fs.find(root) if fs.exists(root) else []) if p[len(root) + 1:] not in names]
-        if stale:
-            fs.rm(stale)
+        old = [p[len(root) + 1:] for p in (fs.find(root) if fs.exists(root) else [])]
+        backup = f"{root}.old-{uuid.uuid4().hex[:8]}"
+        for name in old:
+            fs.copy(f"{root}/{name}", f"{backup}/{name}")
+        try:
+            for name in sorted(names):
+                fs.copy(f"{staging}/{name}", f"{root}/{name}")
+            stale = [f"{root}/{name}" for name in old if name not in names]
+            if stale:
+                fs.rm(stale)
+        except BaseException:
+            for name in sorted(names - set(old)):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(f"{root}/{name}")
+            for name in old:
+                fs.copy(f"{backup}/{name}", f"{root}/{name}")
+            raise
     finally:
-        if fs.exists(staging):
-            fs.rm(staging, recursive=True)
+        for leftover in (staging, backup):
+            if leftover is not None and fs.exists(leftover):
+                fs.rm(leftover, recursive=True)
 
 
 def arrow_filesystem(url: str):

@@ -121,6 +121,101 @@ def test_a_failed_upload_keeps_the_old_folder_and_a_good_one_replaces_it(tmp_pat
     assert listing() == ({"config.json": "new", "model.safetensors": "weights", "sub/extra.txt": "x"}, ["draft"])
 
 
+@pytest.mark.parametrize("fault", ["exchange", "second-rename"])
+def test_a_failure_while_swapping_a_local_folder_in_keeps_the_old_one_where_readers_look(tmp_path, monkeypatch, fault):
+    """Issue 54 (9): the swap itself fails: the atomic exchange (`exchange`), or, where the filesystem has none, the
+    rename of the new folder into place after the old one was moved aside (`second-rename`). The old folder must be
+    at its path, whole, and nothing left beside it (before: the new copy was deleted and the old one stranded at
+    `.old-*`)."""
+    import pipelines.storage as storage
+
+    url = tmp_path / "out" / "draft"
+    storage.upload_folder(_folder(tmp_path / "old", {"config.json": "old", "stale.txt": "old only"}), str(url))
+    new = _folder(tmp_path / "new", {"config.json": "new", "model.safetensors": "weights"})
+    real_rename = os.rename
+
+    def failing_rename(src, dst, *args, **kwargs):
+        if str(dst) == str(url) and ".tmp-" in str(src):
+            raise OSError(errno.EIO, "I/O error")
+        return real_rename(src, dst, *args, **kwargs)
+
+    def failing_exchange(a, b):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    if hasattr(storage, "_exchange"):
+        monkeypatch.setattr(storage, "_exchange", failing_exchange if fault == "exchange" else lambda a, b: False)
+    with pytest.raises(OSError, match="I/O error"):
+        storage.upload_folder(new, str(url))
+    monkeypatch.undo()
+    assert {p.name: p.read_text() for p in url.iterdir()} == {"config.json": "old", "stale.txt": "old only"}
+    assert sorted(p.name for p in url.parent.iterdir()) == ["draft"]
+    storage.upload_folder(new, str(url))
+    assert {p.name: p.read_text() for p in url.iterdir()} == {"config.json": "new", "model.safetensors": "weights"}
+
+
+def test_a_failure_while_an_object_store_folder_is_overwritten_leaves_the_old_one_whole(s3_endpoint, tmp_path,
+                                                                                        monkeypatch):
+    """Issue 54 (9): on an object store the new files are copied over the old keys one by one; a failure half-way
+    (the second copy) must put the old folder back whole, not leave a mix of old and new files."""
+    from pipelines.storage import upload_folder, url_to_fs
+
+    url = f"s3://eagle3/upload-mix-{os.getpid()}/draft"
+    fs, root = url_to_fs(url)
+    upload_folder(_folder(tmp_path / "old", {"a.json": "old a", "b.json": "old b", "stale.txt": "old only"}), url)
+    new = _folder(tmp_path / "new", {"a.json": "new a", "b.json": "new b", "c.json": "new c"})
+    real_copy, copies = fs.copy, []
+
+    def failing_copy(src, dst, *args, **kwargs):
+        if dst.startswith(root + "/"):
+            copies.append(dst)
+            if len(copies) == 2:
+                raise OSError(errno.EIO, "connection reset")
+        return real_copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "copy", failing_copy)
+    with pytest.raises(OSError, match="connection reset"):
+        upload_folder(new, url)
+    monkeypatch.undo()
+    files = {p[len(root) + 1:]: fs.cat_file(p).decode() for p in fs.find(root)}
+    assert files == {"a.json": "old a", "b.json": "old b", "stale.txt": "old only"}
+    parent = root.rsplit("/", 1)[0]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(parent, detail=False)) == ["draft"]
+
+
+def test_a_failed_distillation_save_keeps_the_previous_draft_and_state(tmp_path, monkeypatch):
+    """Issue 54 (9): distillation's save writes the state under a name of its own and the draft beside draft/, then
+    swaps it in: a save that fails half-way through the draft leaves the previous draft/ whole and no temporary."""
+    import torch
+
+    import pipelines.distill as distill
+
+    out = tmp_path / "run"
+    _folder(out / "draft", {"config.json": "previous", "model.safetensors": "previous weights"})
+    saver = distill.Distiller.__new__(distill.Distiller)
+    saver.out, saver.cfg = out, distill.DistillConfig(output=str(out))
+    monkeypatch.setattr(distill, "train_state_dict", lambda draft, opt, sched, step: {"step": torch.tensor(step)})
+
+    def half_a_draft(draft, folder, dtype=None):
+        _folder(Path(folder), {"config.json": "half"})
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(distill, "save_draft", half_a_draft)
+    with pytest.raises(OSError, match="No space"):
+        saver.save(None, None, None, distill.Progress(step=7), {})
+    assert {p.name: p.read_text() for p in (out / "draft").iterdir()} == {
+        "config.json": "previous", "model.safetensors": "previous weights"}
+    assert sorted(p.name for p in out.iterdir()) == ["draft", "state.pt"]
+    assert torch.load(out / "state.pt", weights_only=True)["step"].item() == 7
+
+    monkeypatch.setattr(distill, "save_draft", lambda draft, folder, dtype=None: _folder(Path(folder), {
+        "config.json": "next", "model.safetensors": "next weights"}))
+    saver.save(None, None, None, distill.Progress(step=8), {"loss": 1.0})
+    assert sorted(p.name for p in (out / "draft").iterdir()) == ["config.json", "model.safetensors", "training.json"]
+    assert (out / "draft" / "config.json").read_text() == "next" and sorted(p.name for p in out.iterdir()) == [
+        "draft", "state.pt"]
+
+
 def test_a_retried_registration_finds_the_version_it_registered(tmp_path, monkeypatch):
     """The server registers the version, then fails before the alias is set; `tracking.retrying` runs
     `_log_and_register` again, which finds that version by the draft's digest instead of registering a second."""
