@@ -651,6 +651,19 @@ def test_the_serving_identity_can_start_no_workload_and_only_record_a_drift_aler
                       "verbs": ["get", "patch"]}]
 
 
+def test_serving_pods_wait_for_the_apps_graceful_shutdown():
+    """Issue 54 (12): Kubernetes kills a pod `terminationGracePeriodSeconds` (30 by default) after SIGTERM; the Serve
+    app lets requests finish for `graceful_shutdown_timeout_s` (request_timeout_s + drain_s, build_app) and then
+    writes the sink's buffered rows for up to traffic_close_s: every serving pod must wait for all of it."""
+    from pipelines.serve.app import split_args
+
+    config, _ = split_args(dict(_served_args()))
+    needed = config.request_timeout_s + config.drain_s + config.traffic_close_s
+    for pod in manifest_pods():
+        if pod.name.startswith("serving "):
+            assert pod.spec.get("terminationGracePeriodSeconds", 30) > needed, pod.name
+
+
 def _drift_cronjob() -> tuple[dict, dict]:
     cron = next(d for d in documents(INFRA / "retrain-on-drift.yaml") if d["kind"] == "CronJob")
     pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
