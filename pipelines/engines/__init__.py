@@ -40,6 +40,9 @@ class EngineConfig:
     gpus: float = 0  # GPUs this process holds; hf spreads a copy over more than one with device_map
     tensor_parallel_size: int = 1  # vllm only
     pipeline_parallel_size: int = 1  # vllm only
+    # vllm only: run the engine core in a child process (vLLM's default); None: only where tensor x pipeline
+    # parallel > 1 needs worker processes anyway, so a single-GPU or CPU engine leaves no process behind
+    engine_core_process: bool | None = None
     seed: int = 0
 
     def to_dict(self) -> dict:

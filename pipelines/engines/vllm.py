@@ -12,10 +12,12 @@ Greedy regeneration runs on that same engine (one copy of the weights): with the
 generated token is verified with one extra position, which leaves greedy replies unchanged (tested: equal to the
 `hf` engine's in fp32). Sampled regeneration does not: in vLLM 0.32's CPU build, sampling with the method on gives
 text that no seed reproduces and that the target would not write ("ThereThereThere..."), so replies at a
-temperature above 0 come from a second engine without it, started at the first such call.
+temperature above 0 come from a second engine without it, started at the first such call (its engine core in a
+child process: vLLM keeps the KV connector in process-wide state).
 
 Processes. With `tensor_parallel_size * pipeline_parallel_size == 1` the engine core runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no child process exists, so none can outlive a killed actor. With more
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no child process exists, so none can outlive a killed actor (one such engine
+per process: a second one, while the first lives, runs its core in a child process). With more
 (GPU fleets) vLLM starts one worker process per GPU of the actor; `close()` shuts them down and is called in
 `finally`, at interpreter exit and on SIGTERM (`pipelines.engines.vllm.install_shutdown`).
 """
@@ -23,11 +25,13 @@ Processes. With `tensor_parallel_size * pipeline_parallel_size == 1` the engine 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import importlib.util
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -40,6 +44,9 @@ from pipelines.engines import EngineConfig, EngineError, TargetEngine
 # Host memory for the KV cache (and the hidden states' cache-only layer) on the CPU backend: vLLM's default takes
 # most of the machine's memory ("Auto set 19.56/23.54 GiB" here). EAGLE3_VLLM_KV_CACHE_GIB overrides it.
 CPU_KV_CACHE_GIB = 1.0
+# vLLM logs every engine's configuration at INFO; a stage's terminal shows its own progress (VLLM_LOGGING_LEVEL
+# set by the user wins). Read when vLLM is first imported, which is after this module's import.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 FILE_WAIT_SECONDS = 600.0
 
 _live: "weakref.WeakSet[VllmEngine]" = weakref.WeakSet()
@@ -84,6 +91,31 @@ def install_shutdown() -> None:
             raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def modules_vllm_can_scan():
+    """While vLLM's CPU worker starts, hide the loaded modules it cannot scan. It looks for its Triton kernels in
+    every module's namespace with `hasattr(value, "__dict__")` (vllm/triton_utils/dispatcher.py), which raises for
+    a context-local proxy (flask's `request` and `current_app`, loaded with moto's server or MLflow's) and fails the
+    engine's start ("Working outside of application context"). Such modules hold no vLLM kernel."""
+    import warnings
+
+    hidden = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
+        for name, module in list(sys.modules.items()):
+            try:
+                for value in list(getattr(module, "__dict__", {}).values()):
+                    hasattr(value, "__dict__")
+            except Exception:  # noqa: BLE001 - whatever the scan would raise on
+                hidden[name] = module
+    for name in hidden:
+        sys.modules.pop(name, None)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 def supported_architectures() -> set[str]:
@@ -186,10 +218,12 @@ class VllmEngine(TargetEngine):
         self.norm = final_norm(self.folder, self.dtype)
         self._hidden = tempfile.mkdtemp(prefix="eagle3-vllm-hidden-")
         parallel = config.tensor_parallel_size * config.pipeline_parallel_size
-        self.in_process = parallel == 1
-        if self.in_process:  # the engine core in this process: no child process to outlive it
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # One engine core at a time can live in a process: vLLM keeps its KV connector in process-wide state.
+        others = any(e.in_process for e in list(_live) if e is not self and getattr(e, "llm", None) is not None)
+        self.in_process = (not config.engine_core_process if config.engine_core_process is not None
+                           else parallel == 1 and not others)
+        # the engine core in this process: no child process to outlive it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         from vllm import LLM
 
         kwargs = dict(
@@ -217,7 +251,8 @@ class VllmEngine(TargetEngine):
         self._sampler_kwargs = {k: v for k, v in kwargs.items() if k not in ("speculative_config", "kv_transfer_config",
                                                                            "enable_chunked_prefill")}
         try:
-            self.llm = LLM(**kwargs)
+            with modules_vllm_can_scan():
+                self.llm = LLM(**kwargs)
         except BaseException:
             self.close()
             raise
@@ -229,6 +264,9 @@ class VllmEngine(TargetEngine):
         if self._sampler is None:
             from vllm import LLM
 
+            # In a child process: vLLM keeps its KV connector in process-wide state, which the first engine's
+            # hidden-states connector holds here. close() (also at exit and on SIGTERM) ends that process.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             self._sampler = LLM(**self._sampler_kwargs)
         return self._sampler
 
@@ -300,8 +338,7 @@ class VllmEngine(TargetEngine):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"vLLM wrote no hidden states for {len(pending)} requests in "
                                        f"{FILE_WAIT_SECONDS:.0f} s")
-                if self.in_process:
-                    self.llm.llm_engine.step()
+                self._step()
                 time.sleep(0.002)
         saved = []
         for path in paths:
@@ -310,6 +347,19 @@ class VllmEngine(TargetEngine):
                 if os.path.exists(leftover):
                     os.remove(leftover)
         return saved
+
+    def _step(self) -> None:
+        """One more scheduler step, in which the connector writes the requests that finished in the last one. In
+        this process: the engine's own step. In a child process the engine core idles once no request is left, so
+        a one-token request of the EOS token makes the step (its own file is written at the next call's step)."""
+        if self.in_process:
+            self.llm.llm_engine.step()
+            return
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.generate([TokensPrompt(prompt_token_ids=[self.tokenizer.eos_token_id])],
+                          SamplingParams(max_tokens=1), use_tqdm=False)
 
     def close(self) -> None:
         _live.discard(self)
