@@ -106,12 +106,12 @@ def child(args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=1000, help="records handed to the sink behind the stalled store")
     p.add_argument("--hidden", type=int, default=256, help="the fake target's hidden size H")
     p.add_argument("--tokens", type=int, default=512, help="tokens per conversation")
     p.add_argument("--bound-mib", type=int, default=64, help="max_pending_bytes of the bounded setting, MiB")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="result JSON file (default: bench/results/sink-memory/<date>.json)")
     args = p.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)

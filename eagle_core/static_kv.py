@@ -98,6 +98,10 @@ class StaticKV(StaticRows):
         self.embedding_multiplier = getattr(decoder, "embedding_multiplier", None)
         rotary_args = inspect.signature(decoder.rotary_emb.forward).parameters
         self.rotary_types = tuple(tc.layer_types[: tc.num_hidden_layers]) if "layer_type" in rotary_args else None
+        # The name a decoder layer takes its cache by: `past_key_values` up to transformers 5.19 (what vLLM 0.32's
+        # pin allows), `cache` in later releases; the layer forwards it to the attention's cache update either way.
+        layer_args = inspect.signature(type(decoder.layers[0]).forward).parameters
+        self.cache_keyword = "cache" if "cache" in layer_args else "past_key_values"
         self._plain = self._compiled(self._plain_step, "plain step")
         self._verify = self._compiled(self._verify_step, "verify step")
 
@@ -207,7 +211,7 @@ class StaticKV(StaticRows):
         for i, layer in enumerate(decoder.layers[: self.target.config.num_hidden_layers]):
             hidden = layer(hidden, attention_mask=masks[self.rules[i]],
                            position_embeddings=rotary if types is None else rotary[types[i]],
-                           position_ids=position_ids, cache=self, use_cache=True)
+                           position_ids=position_ids, use_cache=True, **{self.cache_keyword: self})
             if i + 1 in aux_layer_ids:
                 kept[i + 1] = hidden
         aux = torch.cat([kept[j] for j in aux_layer_ids], dim=-1) if aux_layer_ids else None

