@@ -3,22 +3,11 @@ node into the model cache; `load_target` loads a `.gguf` file or a named target 
 
 from __future__ import annotations
 
-import hashlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-
-def file_digest(path: Path, limit: int = 1 << 20) -> str:
-    """Cheap content key: size plus hash of the first and last MiB."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(limit))
-        f.seek(max(0, path.stat().st_size - limit))
-        h.update(f.read(limit))
-    return h.hexdigest()[:16]
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_core.gguf_convert import convert_gguf, file_digest
+from eagle_core.gguf_convert import convert_gguf
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -202,8 +202,10 @@ def cached_folder(out: Path, fill) -> Path:
 def cached_conversion(gguf: Path, chat_template: str | None = None) -> Path:
     """The cache folder of a GGUF file's conversion, converting it first if needed (once per node, however many
     processes ask at once: extraction and regeneration actors, serve replicas, test workers). The folder's name
-    holds the file's digest and the added template's, so a changed template converts anew."""
-    key = file_digest(gguf)
+    holds the SHA-256 of the file's whole content (`file_sha256`: streamed once, then cached by path, size, times
+    and inode) and the added template's, so a file changed anywhere, even in place in its middle with its size kept,
+    or a changed template, converts anew."""
+    key = file_sha256(gguf)[:16]
     if chat_template:
         key += "-" + hashlib.sha256(chat_template.encode()).hexdigest()[:8]
     out = cache_dir() / "targets" / f"{gguf.stem}-{key}"

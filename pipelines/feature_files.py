@@ -173,13 +173,36 @@ def tokenizer_fingerprint(folder) -> str:
     return h.hexdigest()[:16]
 
 
+# Keys of config.json that say who wrote it, not what the model computes.
+CONFIG_KEYS_NOT_HASHED = ("transformers_version",)
+
+
+def config_fingerprint(folder) -> str:
+    """A hash of an HF folder's config.json (the architecture's settings the features follow from: rope_scaling,
+    norms' epsilon, window sizes, ...), as canonical JSON (sorted keys, so formatting does not count), without the
+    keys that only say which transformers version wrote it (`CONFIG_KEYS_NOT_HASHED`)."""
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot fingerprint the target's config {path}: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"cannot fingerprint the target's config {path}: not a JSON object")
+    kept = {k: v for k, v in config.items() if k not in CONFIG_KEYS_NOT_HASHED}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def target_fingerprint(folder, target_config, max_length: int, dtype: torch.dtype, aux_layer_ids=None) -> dict:
-    """The fingerprint fields a target determines (extraction's and the traffic sink's alike): its weights and
-    tokenizer (read from its local `folder`), max_length, the hidden states' dtype and the aux layers."""
+    """The fingerprint fields a target determines (extraction's and the traffic sink's alike): its weights,
+    config.json and tokenizer (read from its local `folder`), max_length, the hidden states' dtype and the aux
+    layers."""
     from eagle_core.target import resolve_aux_layer_ids, weights_fingerprint
 
     return {
         "target_weights_hash": weights_fingerprint(folder),
+        "target_config_hash": config_fingerprint(folder),
         "tokenizer_hash": tokenizer_fingerprint(folder),
         "max_length": max_length,
         "dtype": DTYPE_NAMES[dtype],

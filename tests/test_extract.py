@@ -275,8 +275,14 @@ def test_an_output_made_differently_is_refused_naming_the_fields(plain, tmp_path
     model = make_tiny_llama(vocab_size=len(smollm2_tokenizer), num_hidden_layers=4, seed=11, tie_word_embeddings=False)
     model.save_pretrained(other)
     smollm2_tokenizer.save_pretrained(other)
+    edited = tmp_path / "edited-config"  # the same weights and tokenizer, another rope_scaling
+    shutil.copytree(tiny_target_dir, edited)
+    target_config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**target_config,
+                                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}))
     for target, changes, fields in ((tiny_target_dir, {"max_length": 64}, ["max_length"]),
                                     (other, {}, ["target_weights_hash"]),
+                                    (edited, {}, ["target_config_hash"]),
                                     (tiny_target_dir, {"regenerate": True, "max_new_tokens": 4}, ["regeneration"])):
         with pytest.raises(FingerprintMismatch) as refused:
             run_extract(dataclasses.replace(config, target=str(target), **changes))

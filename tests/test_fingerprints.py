@@ -45,6 +45,67 @@ def test_weights_changed_in_place_change_the_fingerprint(tmp_path, tiny_target_d
     assert weights_fingerprint(target) != before
 
 
+def test_a_gguf_changed_in_its_middle_is_converted_anew(tmp_path, monkeypatch):
+    """The conversion cache is keyed by the GGUF's whole content: a file rewritten in its middle (same size, same
+    first and last MiB, its modification time put back) is converted again instead of reusing the stale folder.
+    The conversion itself is replaced by one that records which bytes it converted."""
+    import hashlib
+
+    import eagle_core.target as target
+
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    converted = []
+
+    def fake_convert(gguf, out, chat_template=None):
+        digest = hashlib.sha256(Path(gguf).read_bytes()).hexdigest()
+        converted.append(digest)
+        (out / "converted-from").write_text(digest)
+
+    monkeypatch.setattr(target, "convert_gguf", fake_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(4 << 20))
+    first = target.cached_conversion(gguf)
+    assert target.cached_conversion(gguf) == first and len(converted) == 1  # unchanged: converted once
+    ends = _first_last_mib(gguf)
+    _rewrite_middle(gguf)
+    assert _first_last_mib(gguf) == ends  # what the old key hashed did not change
+    second = target.cached_conversion(gguf)
+    assert second != first and len(converted) == 2
+    assert (second / "converted-from").read_text() == hashlib.sha256(gguf.read_bytes()).hexdigest()
+
+
+def test_an_edited_config_changes_the_target_fingerprint(tmp_path, tiny_target_dir):
+    """config.json is part of what made the features (rope_scaling changes every position's hidden states): an
+    edited config changes the fingerprint's `target_config_hash` (and nothing else), its formatting does not, and
+    training refuses features extracted with the config as it was."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig
+
+    from pipelines.feature_files import FingerprintMismatch, target_fingerprint
+    from pipelines.train.driver import check_features_target
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+
+    def fingerprint():
+        return target_fingerprint(target, AutoConfig.from_pretrained(target), 96, torch.float32)
+
+    before = fingerprint()
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True))  # reformatted only
+    assert fingerprint() == before
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    after = fingerprint()
+    assert {k for k in before if before[k] != after[k]} == {"target_config_hash"}
+    made = SimpleNamespace(fingerprint=before, target_weights_hash=before["target_weights_hash"])
+    with pytest.raises(FingerprintMismatch, match="target_config_hash") as refused:
+        check_features_target("features", made, str(target))
+    assert "target_weights_hash" not in str(refused.value) and "tokenizer_hash" not in str(refused.value)
+
+
 def test_corpus_fingerprint_follows_content(tmp_path):
     from pipelines.data import corpus_fingerprint
 

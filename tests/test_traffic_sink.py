@@ -161,8 +161,8 @@ def test_sink_shards_train_like_an_extraction(served):
     assert manifest.aux_layer_ids == default_aux_layer_ids(model.config.num_hidden_layers)
     extraction = extraction_fingerprint(ExtractConfig(target=str(served.folder)), served.folder, model.config, "cpu")
     assert set(manifest.fingerprint) == set(extraction)  # the same fields, compared the same way
-    assert {k: manifest.fingerprint[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")} == \
-        {k: extraction[k] for k in ("target_weights_hash", "tokenizer_hash", "aux_layer_ids")}
+    same = ("target_weights_hash", "target_config_hash", "tokenizer_hash", "aux_layer_ids")
+    assert {k: manifest.fingerprint[k] for k in same} == {k: extraction[k] for k in same}
     train_rows, eval_rows = split_heldout(served.scanned, 0.5)
     assert len(train_rows) + len(eval_rows) == n_chats and train_rows and eval_rows
     assert sorted(rows) == sorted(r["id"] for r in served.scanned)

@@ -109,11 +109,12 @@ def mixed_token_counts(manifests, train_rows: list[dict], weights: list[float] |
 
 
 def check_features_target(features: str, manifest, target: str) -> None:
-    """Features pair only with the target they were extracted with: its weights' content hash and its tokenizer
-    now must be those the manifest recorded. A target folder updated in place (same path, same config) would
-    otherwise train old hidden states against new embeddings, lm_head and norm; it is refused, naming the fields."""
+    """Features pair only with the target they were extracted with: its weights' content hash, its config.json and
+    its tokenizer now must be those the manifest recorded. A target folder updated in place (same path) would
+    otherwise train old hidden states against new embeddings, lm_head and norm (or another rope_scaling); it is
+    refused, naming the fields."""
     from eagle_core.target import materialize_hf_folder, weights_fingerprint
-    from pipelines.feature_files import check_fingerprint, tokenizer_fingerprint
+    from pipelines.feature_files import check_fingerprint, config_fingerprint, tokenizer_fingerprint
 
     made = manifest.fingerprint or {}
     recorded = {"target_weights_hash": made.get("target_weights_hash", manifest.target_weights_hash)}
@@ -121,6 +122,9 @@ def check_features_target(features: str, manifest, target: str) -> None:
     if "tokenizer_hash" in made:
         recorded["tokenizer_hash"] = made["tokenizer_hash"]
         current["tokenizer_hash"] = tokenizer_fingerprint(materialize_hf_folder(target))
+    if "target_config_hash" in made:  # outputs extracted before it was recorded are refused by a rerun, not here
+        recorded["target_config_hash"] = made["target_config_hash"]
+        current["target_config_hash"] = config_fingerprint(materialize_hf_folder(target))
     check_fingerprint(recorded, current, f"the features in {features} (target {target})",
                       "Re-extract them with this target (jobs/extract.py --overwrite), or train with the target "
                       "they were extracted with.")
