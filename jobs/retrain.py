@@ -15,7 +15,8 @@ evaluated again first. `--rollback` restores the champion that the current one r
 fraction --traffic-ratio of the training rows is drawn from it, the conversations below --traffic-eval-fraction by
 id hash are never trained on and are decoded as a second evaluation set; the candidate becomes champion only if
 its tau on that held-out traffic beats the champion's by --margin and its tau on --eval-prompts is no more than
---base-margin below the champion's.
+--base-margin below the champion's; --eval-prompts must then be a fixed set with MT-bench prompts (all, mixed,
+mtbench, mtbench-turn2), never sink data alone.
 
 The recipe in force (--recipe, else the target's: eagle_core/recipes/) fills the extraction's max length and aux
 layers and the training's draft vocabulary, TTT steps, tokens per step and schedule wherever --extract / --train do

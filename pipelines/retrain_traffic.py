@@ -21,9 +21,11 @@
   `margin` AND its base tau is no more than `base_margin` below the champion's (`beats_on_traffic`). Both taus are
   tagged on the version (`tau`, `traffic_tau`), logged in the MLflow child run and returned in the result.
 
-Before any work (`check_traffic`): the URL must hold a manifest whose fingerprint is the target's (else
-FingerprintMismatch naming the fields, as training refuses features of another target), with conversations both
-held out and left to train on.
+Before any work (`check_traffic`): the base evaluation set must be one of the fixed, shipped sets that hold MT-bench
+prompts (`FIXED_EVAL_SETS`: a JSONL file could be drawn from the same sink, and the promotion would then be judged
+on sink data alone, which a client with the key can steer by flooding one label); the URL must hold a manifest
+whose fingerprint is the target's (else FingerprintMismatch naming the fields, as training refuses features of
+another target), with conversations both held out and left to train on.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import pyarrow.parquet as pq
 from pipelines.storage import exists, join, url_to_fs
 
 TRAFFIC_SET = "traffic"  # the prompt-set name of the held-out traffic prompts (evaluate_draft's per-set tau)
+# the named prompt sets (pipelines.prompt_sets) with MT-bench prompts: a retraining from traffic is judged on one
+FIXED_EVAL_SETS = ("all", "mixed", "mtbench", "mtbench-turn2")
 
 
 def check_traffic(config) -> dict:
@@ -51,6 +55,10 @@ def check_traffic(config) -> dict:
         raise ValueError(f"traffic_eval_fraction must be in (0, 1), got {config.traffic_eval_fraction}")
     if config.base_margin < 0:
         raise ValueError(f"base_margin must be >= 0, got {config.base_margin}")
+    if config.eval_prompts not in FIXED_EVAL_SETS:
+        raise ValueError(f"--traffic {url}: eval_prompts {config.eval_prompts!r} is not a fixed evaluation set with "
+                         f"MT-bench prompts ({', '.join(FIXED_EVAL_SETS)}); a retraining from traffic is judged on one "
+                         "of them besides the held-out traffic, never on data from the sink alone")
     if not exists(join(url, "manifest.json")):
         raise FileNotFoundError(f"--traffic {url}: no manifest.json there; expected a traffic sink's output "
                                 "(traffic_url of a deployment) that has committed at least one shard")

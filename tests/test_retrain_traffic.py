@@ -113,6 +113,21 @@ def test_traffic_without_a_manifest_or_of_another_target_is_refused(outputs, tin
                                     traffic_eval_fraction=1e-9))
 
 
+def test_a_retraining_from_traffic_is_judged_on_a_fixed_mtbench_set(tmp_path):
+    """Issue 54 (13): promotion from traffic is judged on a fixed, shipped evaluation set with MT-bench prompts
+    besides the held-out traffic: a JSONL file (which could be drawn from the same sink) or a set without MT-bench
+    is refused before any work; the named sets with MT-bench pass this check."""
+    prompts = tmp_path / "from-the-sink.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    nowhere = str(tmp_path / "no-traffic-here")
+    for eval_prompts in (str(prompts), "humaneval", "long"):
+        with pytest.raises(ValueError, match="MT-bench prompts.*never on data from the sink alone"):
+            check_traffic(RetrainConfig(traffic=nowhere, eval_prompts=eval_prompts))
+    for eval_prompts in ("all", "mixed", "mtbench", "mtbench-turn2"):
+        with pytest.raises(FileNotFoundError, match="no manifest.json"):  # past the check, to the next one
+            check_traffic(RetrainConfig(traffic=nowhere, eval_prompts=eval_prompts))
+
+
 def test_the_rule_needs_traffic_to_rise_without_the_base_falling_past_its_margin():
     champion = {"tau": 2.0, "traffic_tau": 1.5}
     assert beats_on_traffic({"tau": 1.95, "traffic_tau": 1.7}, champion, margin=0.05, base_margin=0.1)

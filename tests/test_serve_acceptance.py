@@ -9,6 +9,7 @@ Properties:
 - Labels are kept apart; beyond the cap they fold into "other"; a malformed label is refused.
 - Records of a version no longer served are not counted; a new version or reference starts afresh.
 - A summary is produced every N requests of a label, with its pooled tau.
+- Alerts are rate-limited per label, across versions (a flooded label cannot steer retraining alert after alert).
 - The reporter calls a drift hook once per alert (at most once per cooldown), as a callable or a command that
   gets the event on stdin, and survives a hook that fails (counted as dropped).
 """
@@ -104,6 +105,36 @@ def test_labels_are_kept_apart_and_capped():
     cap = LabelCap(3)
     assert [cap.fold(x) for x in ("a", "b", "c", "a", DEFAULT_LABEL, OTHER_LABEL)] == \
         ["a", "b", OTHER_LABEL, "a", DEFAULT_LABEL, OTHER_LABEL]
+
+
+def test_alerts_are_rate_limited_per_label_across_versions():
+    """Issue 54 (13): a label raises at most one alert per `alert_interval_s`, even after a new version (the draft
+    retrained on a flooding client's traffic) starts the windows afresh; a crossing within the interval is one
+    "suppressed" event, and the alert comes at the first request past the interval if the window is still below.
+    Other labels are not held back by it."""
+    now = [1000.0]
+    t = AcceptanceTracker(window=1, margin=0.0, reference_tau=3.0, version="3", alert_interval_s=100,
+                          clock=lambda: now[0])
+    low, high = rec((4, 0), category="code"), rec((4, 12), category="code")  # tau 1 and 4 against 3
+
+    def kinds(r):
+        return [e.kind for e in t.observe(r)[1]]
+
+    assert kinds(low) == ["alert"] and t.alerting("code")
+    assert kinds(high) == ["clear"]
+    now[0] += 10
+    assert kinds(low) == ["suppressed"] and not t.alerting("code")  # within the interval: held back, once
+    assert kinds(low) == [] and kinds(low) == []
+    assert kinds(rec((4, 0), category="chat")) == ["alert"]  # another label alerts
+    t.set_reference("4", 3.0)  # the retrained draft is served: windows start afresh, the limit stays
+    assert kinds(rec((4, 0), category="code", version="4")) == ["suppressed"]
+    assert kinds(rec((4, 12), category="code", version="4")) == []  # back above: nothing was raised to clear
+    assert kinds(rec((4, 0), category="code", version="4")) == ["suppressed"]  # a new crossing, counted again
+    now[0] += 95  # 105 s after the alert
+    assert kinds(rec((4, 0), category="code", version="4")) == ["alert"] and t.alerting("code")
+    assert kinds(rec((4, 12), category="code", version="4")) == ["clear"]
+    with pytest.raises(ValueError, match="alert_interval_s"):
+        AcceptanceTracker(alert_interval_s=-1)
 
 
 @pytest.mark.parametrize("label", ["", "x" * 65, "a b", "a/b", "é", "a\nb", 'a"b', "a{b}"])

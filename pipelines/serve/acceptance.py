@@ -17,6 +17,12 @@ alert (once, when it crosses), window tau >= that threshold clears it (once). No
 window holds `window` requests. A new served version (a champion swap) or a new reference tau starts every window
 and alert afresh; records of the previous version (requests that finish on it after the swap) still count in the
 histograms but not in the windows.
+
+Alerts are rate-limited per label (`alert_interval_s`): a label raises at most one alert per interval, whatever
+versions were served meanwhile (a client flooding one label with low-acceptance prompts gets one alert, hence at
+most one retraining on its data, per interval, and cannot re-raise it once the retrained draft is served). A
+crossing within the interval is held back: an event of kind "suppressed" (counted, nothing else), and the alert is
+raised at the first request after the interval if the window is still below the threshold.
 """
 
 from __future__ import annotations
@@ -117,7 +123,8 @@ class SlidingTau:
 
 @dataclass
 class DriftEvent:
-    """An alert raised (`kind` "alert") or cleared ("clear") for one label."""
+    """An alert raised (`kind` "alert"), cleared ("clear") or held back by the label's rate limit ("suppressed")
+    for one label."""
 
     kind: str
     category: str
@@ -180,6 +187,7 @@ class _Label:
     def __init__(self, window: int):
         self.window = SlidingTau(window)
         self.alerting = False
+        self.held = False  # below the threshold, its alert held back by the label's rate limit
         self.index = 0
         self.reset_summary()
 
@@ -191,13 +199,19 @@ class _Label:
 class AcceptanceTracker:
     """Per label: the sliding drift window of `window` requests and, every `summary_every` requests, a
     `WindowSummary`. `observe` returns what the caller must report: summaries (to MLflow) and drift events (to
-    the alert gauge, MLflow and the hook). Not thread-safe: one caller (the replica's event loop) at a time."""
+    the alert gauge, MLflow and the hook). Not thread-safe: one caller (the replica's event loop) at a time.
+
+    `alert_interval_s`: each label raises at most one alert per this many seconds of `clock` (0: no limit); when
+    it last did is kept across versions and references."""
 
     def __init__(self, window: int = 64, margin: float = 0.3, reference_tau: float | None = None,
-                 version: str | None = None, max_labels: int = 16, summary_every: int | None = None):
-        if window < 1 or margin < 0:
-            raise ValueError("window must be >= 1 and margin >= 0")
+                 version: str | None = None, max_labels: int = 16, summary_every: int | None = None,
+                 alert_interval_s: float = 0.0, clock=time.monotonic):
+        if window < 1 or margin < 0 or alert_interval_s < 0:
+            raise ValueError("window must be >= 1, margin and alert_interval_s >= 0")
         self.window, self.margin = window, margin
+        self.alert_interval_s, self.clock = alert_interval_s, clock
+        self.last_alert: dict[str, float] = {}  # label -> when it last raised an alert (survives version changes)
         self.summary_every = summary_every or window
         self.cap = LabelCap(max_labels)
         self.version: str | None = version
@@ -236,11 +250,25 @@ class AcceptanceTracker:
             return summaries, []
         tau = state.window.tau
         below = tau < self.reference_tau - self.margin
+        if not below:
+            state.held = False  # a later crossing is a new one
         if below == state.alerting:
             return summaries, []
-        state.alerting = below
-        event = DriftEvent("alert" if below else "clear", record.category, self.version, tau, self.reference_tau,
-                           self.margin, self.window)
+        kind = "alert" if below else "clear"
+        if below:
+            now = self.clock()
+            last = self.last_alert.get(record.category)
+            if last is not None and now - last < self.alert_interval_s:
+                if state.held:
+                    return summaries, []  # still held back: counted once per crossing
+                state.held = True
+                kind = "suppressed"
+            else:
+                self.last_alert[record.category] = now
+                state.alerting, state.held = True, False
+        else:
+            state.alerting = False
+        event = DriftEvent(kind, record.category, self.version, tau, self.reference_tau, self.margin, self.window)
         return summaries, [event]
 
     def _summarise(self, state: _Label, record: AcceptanceRecord) -> list[WindowSummary]:

@@ -85,6 +85,9 @@ class ServeConfig:
     drift_hook: str | None = None
     drift_hook_timeout_s: float = 60.0  # a hook command still running after this is killed
     drift_hook_cooldown_s: float = 3600.0  # at most one hook call per this many seconds (all labels together)
+    # each label raises at most one alert per this many seconds, across served versions (0 = no limit): a client
+    # flooding one label cannot raise alert after alert, nor re-raise it on the draft retrained from its traffic
+    drift_alert_interval_s: float = 86400.0
     # ---- the traffic sink (pipelines/traffic.py; docs/serving.md): off unless traffic_url is set ------------------
     # served conversations (prompt + answer token ids, the template's loss mask, optionally the answer's features
     # captured while decoding) appended to feature shards at this fsspec URL; None = off (no capture, no sink)
@@ -114,8 +117,10 @@ class ServeConfig:
             raise ValueError("request_timeout_s and stall_timeout_s must be > 0, drain_s >= 0")
         if self.acceptance_max_labels < 1 or self.acceptance_window < 1:
             raise ValueError("acceptance_max_labels and acceptance_window must be >= 1")
-        if self.drift_margin < 0 or self.drift_hook_timeout_s <= 0 or self.drift_hook_cooldown_s < 0:
-            raise ValueError("drift_margin and drift_hook_cooldown_s must be >= 0, drift_hook_timeout_s > 0")
+        if (self.drift_margin < 0 or self.drift_hook_timeout_s <= 0 or self.drift_hook_cooldown_s < 0
+                or self.drift_alert_interval_s < 0):
+            raise ValueError("drift_margin, drift_hook_cooldown_s and drift_alert_interval_s must be >= 0, "
+                             "drift_hook_timeout_s > 0")
         self.traffic  # validates the sink's fields (TrafficConfig), whether or not the sink is on
         if self.traffic_url is not None and not str(self.traffic_url).strip():
             raise ValueError("traffic_url must be a URL or None (off), not an empty string")

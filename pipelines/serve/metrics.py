@@ -16,7 +16,8 @@ Per `category` label (`pipelines.serve.acceptance`; at most `acceptance_max_labe
 a finished request's tau over its draft rounds (`request_tau`, requests with no draft round are not observed),
 every draft round's accept length (`category_accept_length`), rounds by mode (`category_rounds`); the drift
 window's tree tau (`acceptance_window_tau`), the reference it is compared with (`acceptance_reference_tau`, -1
-when none is known) and the alert (`drift_alert`: 1 while raised; `drift_alerts`: times raised).
+when none is known) and the alert (`drift_alert`: 1 while raised; `drift_alerts`: times raised;
+`drift_alerts_suppressed`: crossings held back by the label's rate limit).
 
 The traffic sink (`pipelines.traffic`, only when a deployment turns it on): conversations offered to it, sampled
 out and written as rows (`traffic_records{outcome}`), rows dropped by reason (`traffic_dropped{reason}`: a store
@@ -111,6 +112,9 @@ class ServeMetrics:
         self.drift_alert = m("gauge", "drift_alert", "1 while the label's window tau is below reference - margin",
                              ("category",))
         self.drift_alerts = m("counter", "drift_alerts", "drift alerts raised, by label", ("category",))
+        self.drift_alerts_suppressed = m("counter", "drift_alerts_suppressed",
+                                         "drift alerts held back by the label's rate limit (drift_alert_interval_s)",
+                                         ("category",))
         self.acceptance_dropped = m("counter", "acceptance_reports_dropped",
                                     "window summaries / drift events not reported (MLflow or the hook failed, "
                                     "or their queue was full)")
@@ -165,6 +169,9 @@ class ServeMetrics:
         self.reference_tau.record(-1.0 if reference_tau is None else reference_tau)
 
     def on_drift(self, event) -> None:
+        if event.kind == "suppressed":
+            self.drift_alerts_suppressed.record(1, category=event.category)
+            return
         self.drift_alert.record(1.0 if event.kind == "alert" else 0.0, category=event.category)
         if event.kind == "alert":
             self.drift_alerts.record(1, category=event.category)

@@ -158,7 +158,8 @@ class Service:
             return  # plain decoding has tau 1 by definition: nothing to watch
         reference = self._reference_tau(version)
         self.acceptance = AcceptanceTracker(config.acceptance_window, config.drift_margin, reference, version,
-                                            config.acceptance_max_labels)
+                                            config.acceptance_max_labels,
+                                            alert_interval_s=config.drift_alert_interval_s)
         self.metrics.on_reference(reference)
         ref = registry_version(config.draft, version)
         if hook is None and not (config.acceptance_experiment and ref):
@@ -202,10 +203,12 @@ class Service:
         self.metrics.on_acceptance(record, window_tau)
         for drift in events:
             self.metrics.on_drift(drift)
-            log.warning("acceptance drift %s for %r: window tau %.3f vs reference %.3f - margin %g", drift.kind,
-                        drift.category, drift.window_tau, drift.reference_tau, drift.margin)
-        if self.reporter is not None:
-            for item in (*summaries, *events):
+            log.warning("acceptance drift %s for %r: window tau %.3f vs reference %.3f - margin %g%s", drift.kind,
+                        drift.category, drift.window_tau, drift.reference_tau, drift.margin,
+                        " (the label alerted less than drift_alert_interval_s ago)" if drift.kind == "suppressed"
+                        else "")
+        if self.reporter is not None:  # a suppressed alert is counted, neither logged to MLflow nor hooked
+            for item in (*summaries, *(e for e in events if e.kind != "suppressed")):
                 self.reporter.submit(item)
 
     # ---- checks ------------------------------------------------------------------------------------------
