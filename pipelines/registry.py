@@ -161,9 +161,8 @@ class PromotionLease:
             holder = self._holder()
             if holder is not None and holder[0] == self.owner:
                 break  # our own create landed and its answer was lost: MLflow's retry found our lock
-            if holder is not None and holder[0] != checked:
-                self._check_writable(holder[0])  # once per holder: a lock we could never take over is refused now
-                checked = holder[0]
+            if holder is not None and holder[0] != checked and self._check_writable(holder[0]):
+                checked = holder[0]  # once per holder: a lock we could never take over is refused now
             if holder is not None and holder[1] < time.time():
                 log.warning("promotion lock %s held by %s expired; taking it over", self.lock, holder[0])
                 if not self._delete_if_held_by(holder[0]):
@@ -180,7 +179,7 @@ class PromotionLease:
         log.info("promotion lock %s taken by %s", self.lock, self.owner)
         return self
 
-    def _check_writable(self, owner: str) -> None:
+    def _check_writable(self, owner: str) -> bool:
         """Raise ForeignLock when this identity cannot write the lock. Under MLflow's basic auth the creator of a
         registered model gets MANAGE on it and other users only the server's default (READ), and any authenticated
         user may create registered models: a user who is not the trainers' (the serving reader, say) could create
@@ -192,16 +191,18 @@ class PromotionLease:
         try:
             client().set_registered_model_tag(self.lock, "eagle3.seen_by", self.owner)
         except MlflowException as err:
-            if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
-                return  # released meanwhile: the next create decides
-            if _error_code(err) in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
-                raise ForeignLock(
-                    f"the promotion lock {self.lock!r} (held by {owner}) exists on {_server()} but this identity "
-                    f"may not write it: another MLflow user created it, so no promotion of {self.model!r} could ever "
-                    f"take it over. Nothing was changed. An MLflow admin must delete the registered model "
-                    f"{self.lock!r}, and should keep users other than the trainers' from creating registered "
-                    f"models (docs/deployment.md)") from err
-            raise _unavailable(f"checking the promotion lock {self.lock!r}", err) from err
+            if _error_code(err) not in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
+                # released meanwhile, or a racing trainer's write in the way: not a verdict; the loop goes on and
+                # checks again (the server being down is the lease's own calls' to report)
+                log.debug("promotion lock %s not checked (%s); checking again", self.lock, _error_code(err))
+                return False
+            raise ForeignLock(
+                f"the promotion lock {self.lock!r} (held by {owner}) exists on {_server()} but this identity "
+                f"may not write it: another MLflow user created it, so no promotion of {self.model!r} could ever "
+                f"take it over. Nothing was changed. An MLflow admin must delete the registered model "
+                f"{self.lock!r}, and should keep users other than the trainers' from creating registered "
+                f"models (docs/deployment.md)") from err
+        return True
 
     def _holder(self) -> tuple[str, float] | None:
         """(owner, expires) of the lock, None when it is gone."""
