@@ -36,8 +36,10 @@ Guarantees:
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
+import logging
 import queue
 import random
 import threading
@@ -60,6 +62,7 @@ from pipelines.traffic_config import CORPUS, ServedConversation, TrafficConfig, 
 
 RETIRED = "retired"  # the tombstones of retired shards (`_refresh_manifest`)
 _STOP = object()  # queued by close(): the writer thread ends now instead of at its next poll
+log = logging.getLogger(__name__)
 
 
 def _nbytes(features) -> int:
@@ -140,6 +143,10 @@ class TrafficSink:
         if start:
             self._thread = threading.Thread(target=self._run, name="traffic-sink", daemon=True)
             self._thread.start()
+            # A process that exits writes what is buffered first: a Ray worker (a Serve replica) turns SIGTERM
+            # into SystemExit, and an exit runs atexit hooks before daemon threads stop (for up to config.close_s).
+            self._at_exit = _close_at_exit(self)
+            atexit.register(self._at_exit)
 
     # ---- the caller's side: O(1), never raises, never waits ------------------------------------------------
 
@@ -214,6 +221,9 @@ class TrafficSink:
         """Flush, then stop the writer thread."""
         if not self.enabled:
             return
+        if getattr(self, "_at_exit", None) is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         self.flush(timeout)
         self._stop.set()
         if self._thread is not None:
@@ -539,3 +549,20 @@ class TrafficSink:
             self._dropped[reason] += n
             if err is not None:
                 self.last_error = f"{reason}: {type(err).__name__}: {err}"
+
+
+def _close_at_exit(sink: TrafficSink):
+    """An atexit hook closing `sink` (flush, then stop) if it is still alive; holds it only weakly."""
+    import weakref
+
+    ref = weakref.ref(sink)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None and not alive._stop.is_set():
+            try:
+                alive.close(alive.config.close_s / 2)  # as Service.close: the flush, then the thread
+            except Exception:  # noqa: BLE001 -- the process is exiting regardless
+                log.exception("traffic sink: flush at exit failed")
+
+    return close

@@ -33,6 +33,7 @@ class TrafficConfig:
     # beyond it new records are dropped (counted "pending_bytes"), so a stalled store holds this much at most
     max_pending_bytes: int = 1 << 30
     redact: str | None = None  # "module:function" of a redaction hook (or pass a callable to TrafficSink)
+    close_s: float = 30.0  # a process that exits (SIGTERM in a Ray worker) writes what is buffered for this long
     seed: int = 0  # the sampling draws
 
     def __post_init__(self):

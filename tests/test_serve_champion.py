@@ -322,3 +322,95 @@ def test_a_1_mib_body_does_not_stall_another_stream(replica, monkeypatch):
                                   f"({busy:.2f} s); a round takes {round_s:.3f} s (p90 {p90:.3f} s)")
     print(f"1 MiB body answered in {busy:.2f} s; stream gaps meanwhile max {max(during):.3f} s, "
           f"round {round_s:.3f} s (p90 {p90:.3f})")
+
+
+# ---- a replica starts without the registry (issue 54, item 11) ----------------------------------------------
+
+def test_a_replica_starts_from_its_record_while_the_registry_is_down_and_catches_up(models, tmp_path):
+    """A real `mlflow server` on 127.0.0.1, the echo draft registered twice, `champion` on version 1.
+
+    - A replica that resolves the alias records the draft (a copy of version 1 and a pointer) at draft_record.
+    - With the server stopped, a new replica over the same record starts (before: `pin_draft` raised in
+      `__init__`), serves version 1 (a completion answers 200, decoded by draft version 1), and after
+      draft_stale_polls failed polls says so: /health's detail `stale` with the error, status still "ok", and
+      /metrics' draft_stale 1, draft_failed_polls, draft_version 1.
+    - A replica with an empty record refuses to start, naming the record.
+    - The server back (same port, same data) with `champion` moved to 2: the replica catches up (version 2,
+      failed polls 0, stale 0)."""
+    from mlflow import MlflowClient
+    from mlflow_helpers import MlflowServer
+
+    from pipelines import tracking
+    from pipelines.serve.config import ServeConfig
+    from pipelines.serve.service import Service
+    from serve_helpers import metric
+
+    target_dir, draft_dir, _, _ = models
+    server = MlflowServer(tmp_path)
+    server.start()
+    record = tmp_path / "record"
+    settings = dict(target=str(target_dir), draft=f"models:/{NAME}-rec@champion", draft_poll_s=0.3,
+                    draft_record=str(record), registry_timeout_s=5.0, draft_stale_polls=2, model_name=MODEL,
+                    dtype="float32", device="cpu", top_k=2, depth=2, total_tokens=4, mode_policy="static",
+                    tree_max_batch=1, chain_max_batch=4, max_batch_size=4, torch_threads=1)
+    try:
+        with env(MLFLOW_TRACKING_URI=server.uri, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+                 MLFLOW_HTTP_REQUEST_TIMEOUT="5", EAGLE3_WORK=str(tmp_path / "work")):
+            mlflow = tracking.configure()
+            with tracking.start_run("serve-record-tests", run_name="echo-draft") as run:
+                mlflow.log_artifacts(str(draft_dir), artifact_path="draft")
+                source = mlflow.get_artifact_uri("draft")
+            client = MlflowClient(server.uri)
+            client.create_registered_model(f"{NAME}-rec")
+            for _ in range(2):
+                client.create_model_version(f"{NAME}-rec", source=source, run_id=run.info.run_id)
+            client.set_registered_model_alias(f"{NAME}-rec", "champion", "1")
+
+            first = Service(ServeConfig(**settings))
+            try:
+                assert first.health_body()["draft"]["version"] == "1"
+            finally:
+                first.close()
+            pointer = json.loads((record / "last.json").read_text())
+            assert pointer["version"] == "1" and (record / "v1" / "config.json").is_file(), pointer
+
+            server.stop()
+            with pytest.raises(RuntimeError, match="no draft was recorded at"):
+                Service(ServeConfig(**{**settings, "draft_record": str(tmp_path / "empty-record")}))
+            service = Service(ServeConfig(**settings))
+            try:
+                health = service.health_body()
+                assert health["draft"]["version"] == "1" and health["draft"]["started_from_record"], health
+                with uvicorn_thread(replica_app(service)) as url:
+                    r = httpx.post(f"{url}/v1/completions", timeout=60,
+                                   json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4})
+                    assert r.status_code == 200 and r.headers[HEADER] == "1", r.text
+                    deadline = time.monotonic() + 60
+                    while not service.health_body()["draft"]["stale"]:
+                        assert time.monotonic() < deadline, service.health_body()
+                        time.sleep(0.2)
+                    health = httpx.get(f"{url}/health").json()
+                    assert health["status"] == "ok" and health["draft"]["failed_polls"] >= 2, health
+                    assert health["draft"]["last_error"], health
+                    text = httpx.get(f"{url}/metrics").text
+                    assert metric(text, "eagle3_serve_draft_stale") == 1.0
+                    assert metric(text, "eagle3_serve_draft_failed_polls") >= 2
+                    assert metric(text, "eagle3_serve_draft_version") == 1.0
+
+                    server.start()
+                    MlflowClient(server.uri).set_registered_model_alias(f"{NAME}-rec", "champion", "2")
+                    deadline = time.monotonic() + 60
+                    while service.health_body()["draft"]["version"] != "2":
+                        assert time.monotonic() < deadline, service.health_body()
+                        time.sleep(0.2)
+                    draft = service.health_body()["draft"]
+                    assert draft["failed_polls"] == 0 and not draft["stale"], draft
+                    text = httpx.get(f"{url}/metrics").text
+                    assert metric(text, "eagle3_serve_draft_stale") == 0.0
+                    assert metric(text, "eagle3_serve_draft_version") == 2.0
+                    assert 0 <= metric(text, "eagle3_serve_draft_confirmed_age_seconds") < 30
+            finally:
+                service.close()
+            assert json.loads((record / "last.json").read_text())["version"] == "2"
+    finally:
+        server.stop()

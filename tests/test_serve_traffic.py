@@ -412,3 +412,52 @@ def test_static_caches_with_sink_features_are_refused():
     sink = TrafficSink(TrafficConfig(url=None, features=True))  # off: nothing starts; the engine reads its config
     with pytest.raises(ValueError, match="static caches"):
         Engine(None, None, None, EngineConfig(static=StaticConfig()), sink=sink)
+
+
+def replica_pids(app: str) -> list[int]:
+    """Process ids of the Serve replicas of `app` (Ray titles a replica's process `ray::ServeReplica:<app>:...`)."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()[1:] if f"ServeReplica:{app}:" in line]
+
+
+def test_a_replica_stopped_by_sigterm_writes_its_buffered_rows(ray_cluster, models, tmp_path):
+    """Issue 54 (12): a Serve replica whose sink buffers rows (a shard is due after an hour or 1 000 rows) gets a
+    real SIGTERM, as Kubernetes sends when it stops a pod. Ray turns it into SystemExit; before the process ends
+    the sink writes every buffered row (before the fix they were lost: nothing was in the store). The rows are
+    the requests' own: prompt + answer ids."""
+    import os
+    import signal
+
+    import httpx
+    from ray import serve
+
+    from pipelines.serve.app import build_app
+    from serve_helpers import run_app
+    from process_helpers import wait_until
+
+    target_dir, draft_dir, _, tokenizer = models
+    store = tmp_path / "traffic"
+    app_name = "sigterm-sink"
+    app = build_app(dict(target=target_dir, draft=draft_dir, model_name=MODEL, dtype="float32", top_k=2, depth=2,
+                         total_tokens=4, max_context=256, max_tokens_limit=64, torch_threads=1, num_cpus=0.5,
+                         num_gpus=0, traffic_url=str(store), traffic_flush_after_s=3600.0,
+                         traffic_rows_per_shard=1000, traffic_features=False))
+    url = run_app(app, app_name, f"/{app_name}")
+    try:
+        answers = []
+        for prompt in PROMPTS[:3]:
+            r = httpx.post(f"{url}/v1/completions", timeout=120,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+        assert read_rows(str(store))[0] == []  # buffered, not written
+        (pid,) = replica_pids(app_name)
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}"), "the replica's exit", timeout=60)
+        rows, _ = read_rows(str(store))
+        served = sorted(tokenizer.decode(row["input_ids"], skip_special_tokens=True) for row in rows)
+        assert served == sorted(p + a for p, a in zip(PROMPTS[:3], answers)), served
+    finally:
+        serve.delete(app_name)

@@ -26,6 +26,13 @@ class ServeConfig:
     # it names another version, loads that draft and decodes new requests with it (requests in flight finish on
     # theirs), so replicas under one model name converge on one champion. 0 = resolve once, at start.
     draft_poll_s: float = 60.0
+    # Where each replica records the last draft it resolved from the registry (a copy per version and a pointer):
+    # a replica whose registry lookup fails starts from it and catches up later (pipelines/serve/champion.py).
+    # A folder or URL the serving identity reads and writes, e.g. s3://<serving-bucket>/last-draft for replicas
+    # that move between nodes; None = this node's cache.
+    draft_record: str | None = None
+    registry_timeout_s: float = 30.0  # a registry lookup that takes longer counts as failed
+    draft_stale_polls: int = 3  # this many failed polls in a row: /health's detail and /metrics say `stale`
     model_name: str = ""  # the id clients send as `model`; default: derived from target/draft
     device: str | None = None  # None = cuda when available, else cpu
     # "auto": one target copy spread over every GPU the replica holds (give it num_gpus > 1); None = "auto"
@@ -113,6 +120,8 @@ class ServeConfig:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
         if self.draft_poll_s < 0:
             raise ValueError("draft_poll_s must be >= 0 (0 = no polling)")
+        if self.registry_timeout_s <= 0 or self.draft_stale_polls < 1:
+            raise ValueError("registry_timeout_s must be > 0 and draft_stale_polls >= 1")
         if min(self.request_timeout_s, self.stall_timeout_s) <= 0 or self.drain_s < 0:
             raise ValueError("request_timeout_s and stall_timeout_s must be > 0, drain_s >= 0")
         if self.acceptance_max_labels < 1 or self.acceptance_window < 1:
@@ -152,7 +161,8 @@ class ServeConfig:
                              max_shards=self.traffic_max_shards, max_age_s=self.traffic_max_age_s,
                              retention_grace_s=self.traffic_retention_grace_s,
                              max_pending=self.traffic_max_pending,
-                             max_pending_bytes=self.traffic_max_pending_bytes, redact=self.traffic_redact)
+                             max_pending_bytes=self.traffic_max_pending_bytes, redact=self.traffic_redact,
+                             close_s=self.traffic_close_s)
 
     @property
     def served_name(self) -> str:

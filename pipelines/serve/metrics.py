@@ -122,6 +122,12 @@ class ServeMetrics:
         self._traffic_seen: dict[tuple, float] = {}  # the sink's counters as last copied (increments go in)
         self._traffic_lock = threading.Lock()
         self._sources: list = []  # called before each exposition (`add_source`)
+        # ---- the served draft (pipelines/serve/champion.py) ----
+        self.draft_version = m("gauge", "draft_version", "the served draft's registry version (0: none, -1: a folder)")
+        self.draft_confirmed_age = m("gauge", "draft_confirmed_age_seconds",
+                                     "seconds since the registry last named the served draft (-1: not a registry draft)")
+        self.draft_failed_polls = m("gauge", "draft_failed_polls", "registry lookups failed in a row")
+        self.draft_stale = m("gauge", "draft_stale", "1 while draft_failed_polls >= draft_stale_polls")
         self.running = m("gauge", "running", "requests decoding")
         self.waiting = m("gauge", "waiting", "requests admitted, not decoding yet")
 
@@ -183,6 +189,14 @@ class ServeMetrics:
 
     def on_report_dropped(self, n: int = 1) -> None:
         self.acceptance_dropped.record(n)
+
+    def on_draft(self, follower) -> None:
+        status = follower.status()
+        self.draft_version.record(follower.version_number())
+        age = status.get("confirmed_s_ago")
+        self.draft_confirmed_age.record(-1.0 if age is None else age)
+        self.draft_failed_polls.record(status.get("failed_polls", 0))
+        self.draft_stale.record(1.0 if status.get("stale") else 0.0)
 
     # -- the traffic sink --
     def enable_traffic(self) -> None:

@@ -22,7 +22,8 @@ from pipelines.serve.acceptance_report import AcceptanceReporter, reference_tau,
 from pipelines.serve.config import ServeConfig, resolve_api_key
 from pipelines.serve.engine import Engine
 from pipelines.serve.metrics import ServeMetrics
-from pipelines.serve.models import LOCAL_DRAFT, NO_DRAFT, load_draft_for, load_models, pin_draft, watches_alias
+from pipelines.serve.champion import DraftFollower, RegistryTimeout, bounded
+from pipelines.serve.models import LOCAL_DRAFT, NO_DRAFT, load_draft_for, load_models, watches_alias
 from pipelines.serve.rows import Event, GenerationRequest, Overloaded
 from pipelines.traffic import resolve_hook as resolve_redaction
 
@@ -45,13 +46,20 @@ class Service:
         from eagle_core.target import device_map_for
 
         device_map = config.device_map if config.device_map is not None else device_map_for()
-        draft_source, version = pin_draft(config.draft)
+        # the registry's draft, or the last one recorded when the registry does not answer (champion.py)
+        self.champion = DraftFollower(config.draft, config.draft_record, config.registry_timeout_s,
+                                      config.draft_stale_polls)
+        draft_source, version = self.champion.resolve_at_start()
         models = load_models(config.target, draft_source, config.device, config.dtype, device_map)
+        self.champion.serving(version)
+        if not self.champion.from_record:
+            self.champion.remember(draft_source, version)
         self.target, self.tokenizer, self.speculative = models.target, models.tokenizer, models.draft is not None
         self.context = min(config.max_context, models.context_length)
         self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
         self.api_key = resolve_api_key(config)
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
+        self.metrics.add_source(lambda: self.metrics.on_draft(self.champion))
         self.traffic = self._start_traffic(models, redact)  # None: the sink is off
         try:
             self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics,
@@ -79,14 +87,24 @@ class Service:
     def refresh_draft(self) -> bool:
         """Look the draft's alias up again; when it names another version, load that draft (validated against the
         target) and decode new requests with it (`Engine.set_draft`). True when the draft changed."""
-        pinned, version = pin_draft(self.config.draft)
+        pinned, version = self.champion.lookup()
+        if self.champion.from_record:  # started from the record: the registry answers again, caught up now
+            self.champion.from_record = False
+            if version == self.engine.draft_version:
+                self.set_acceptance_reference(version, self._reference_tau(version))
         if version == self.engine.draft_version:
             return False
         t0 = time.perf_counter()
-        draft = load_draft_for(self.target, pinned)
+        try:
+            draft = load_draft_for(self.target, pinned)
+        except Exception as exc:
+            self.champion.failed(exc)
+            raise
         reference = self._reference_tau(version)  # the registry read happens here, off the event loop
         self.engine.set_draft(draft, version)
+        self.champion.serving(version)
         self.set_acceptance_reference(version, reference)
+        self.champion.remember(pinned, version)
         log.info("draft %s now serves new requests (loaded in %.1f s)", pinned, time.perf_counter() - t0)
         return True
 
@@ -174,8 +192,16 @@ class Service:
                  reference, config.drift_margin)
 
     def _reference_tau(self, version: str | None) -> float | None:
+        """The drift rule's reference for `version`; None (no rule until the registry answers again) when the
+        replica started from its draft record, or when the registry does not answer within registry_timeout_s."""
+        if not self.config.acceptance or self.champion.from_record:
+            return None
         served_dtype = DTYPE_NAMES[self.target.dtype]  # named as the evaluation names it (TAU_DTYPE_TAG)
-        return reference_tau(self.config, version, served_dtype) if self.config.acceptance else None
+        try:
+            return bounded(lambda: reference_tau(self.config, version, served_dtype), self.config.registry_timeout_s)
+        except RegistryTimeout as exc:
+            log.warning("no drift reference for draft version %s: %s", version, exc)
+            return None
 
     def set_acceptance_reference(self, version: str | None, reference: float | None) -> None:
         """A new served version (or reference tau): windows and alerts start afresh."""
@@ -269,6 +295,7 @@ class Service:
                 "draft_version": self.engine.draft_version or NO_DRAFT, "running": running, "waiting": waiting}
         if stalled is not None:
             body["seconds_without_progress"] = round(stalled, 1)
+        body["draft"] = self.champion.status()  # a failing registry leaves status "ok": the replica serves on
         return body
 
     async def submit(self, req) -> tuple[GenerationRequest, asyncio.Queue, int]:
