@@ -84,6 +84,22 @@ def _folder(path: Path, files: dict[str, str]) -> Path:
     return path
 
 
+def _fail_second_call(monkeypatch, fs, method: str, error: OSError, writes_to=lambda dst: True):
+    """Patch `fs.<method>(src, dst, ...)` so that its second call with a `dst` that `writes_to` accepts raises
+    `error` (a disk filling up, a connection lost half-way through a folder); returns the real method."""
+    real, calls = getattr(fs, method), []
+
+    def failing(src, dst, *args, **kwargs):
+        if writes_to(dst):
+            calls.append(dst)
+            if len(calls) == 2:
+                raise error
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(fs, method, failing)
+    return real
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_failed_upload_keeps_the_old_folder_and_a_good_one_replaces_it(tmp_path, monkeypatch, where, request):
     from pipelines.storage import upload_folder, url_to_fs
@@ -97,16 +113,8 @@ def test_a_failed_upload_keeps_the_old_folder_and_a_good_one_replaces_it(tmp_pat
     upload_folder(_folder(tmp_path / "old", {"config.json": "old", "stale.txt": "only in the old draft"}), url)
     new = _folder(tmp_path / "new", {"config.json": "new", "model.safetensors": "weights", "sub/extra.txt": "x"})
 
-    real_put, calls = fs.put_file, []
     assert url_to_fs(url)[0] is fs  # fsspec hands out one instance per filesystem: patching it reaches the upload
-
-    def full_disk(lpath, rpath, *args, **kwargs):
-        calls.append(rpath)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_put(lpath, rpath, *args, **kwargs)
-
-    monkeypatch.setattr(fs, "put_file", full_disk)
+    real_put = _fail_second_call(monkeypatch, fs, "put_file", OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(OSError, match="No space"):
         upload_folder(new, url)
     monkeypatch.setattr(fs, "put_file", real_put)
@@ -164,16 +172,8 @@ def test_a_failure_while_an_object_store_folder_is_overwritten_leaves_the_old_on
     fs, root = url_to_fs(url)
     upload_folder(_folder(tmp_path / "old", {"a.json": "old a", "b.json": "old b", "stale.txt": "old only"}), url)
     new = _folder(tmp_path / "new", {"a.json": "new a", "b.json": "new b", "c.json": "new c"})
-    real_copy, copies = fs.copy, []
-
-    def failing_copy(src, dst, *args, **kwargs):
-        if dst.startswith(root + "/"):
-            copies.append(dst)
-            if len(copies) == 2:
-                raise OSError(errno.EIO, "connection reset")
-        return real_copy(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(fs, "copy", failing_copy)
+    _fail_second_call(monkeypatch, fs, "copy", OSError(errno.EIO, "connection reset"),
+                      lambda dst: dst.startswith(root + "/"))
     with pytest.raises(OSError, match="connection reset"):
         upload_folder(new, url)
     monkeypatch.undo()
