@@ -8,7 +8,7 @@ Stages, each timed (SmolLM2-135M-Instruct from the local cache, its shipped draf
 MLflow SQLite store under --work; every server on 127.0.0.1):
 
 1. *Champion*: the shipped draft's evaluation tau on the base set (`--eval-prompts`, MT-bench turn 1: chat, the
-   draft's training distribution) is measured as retraining measures it (`pipelines.retrain_eval.evaluate_on_worker`,
+   draft's training distribution) is measured as retraining measures it (`pipelines.retrain.evaluate.evaluate_on_worker`,
    the recipe's tree), and the draft is registered as `champion` with that tau tagged
    (`pipelines.registry.register_draft_folder`): the reference of the serving replicas' drift rule.
 2. *Traffic*: the Serve app (`pipelines.serve.app.build_app`) serves `models:/<name>@champion` with the
@@ -217,7 +217,7 @@ def drift_event_from_mlflow(timeout_s: float = 60.0) -> dict | None:
 
 def stage_champion(args, base_config, log: Path) -> dict:
     from pipelines.registry import CHAMPION, register_draft_folder
-    from pipelines.retrain_eval import evaluate_on_worker
+    from pipelines.retrain.evaluate import evaluate_on_worker
 
     with quiet(log):
         evaluation = evaluate_on_worker(base_config, {"champion": str(SHIPPED_DRAFT)})["champion"]
@@ -304,7 +304,7 @@ def training_reads(config, rows: int) -> dict:
     features (the base extraction and the sink's URL as it is)."""
     from pipelines.feature_files import load_manifest
     from pipelines.retrain import features_url
-    from pipelines.retrain_traffic import training_features
+    from pipelines.retrain.traffic import training_features
     from pipelines.train import TrainJobConfig
     from pipelines.train.driver import files_rows
 
@@ -320,7 +320,7 @@ def training_reads(config, rows: int) -> dict:
 def stage_retrain(config, log: Path) -> dict:
     from pipelines.registry import CHAMPION, alias_version
     from pipelines.retrain import run_retrain
-    from pipelines.retrain_traffic import beats_on_traffic, check_traffic
+    from pipelines.retrain.traffic import beats_on_traffic, check_traffic
 
     slice_ = check_traffic(config)
     with quiet(log):

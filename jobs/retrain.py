@@ -11,7 +11,7 @@ evaluated again first. `--rollback` restores the champion that the current one r
 
     python jobs/retrain.py --scales 1.0 --traffic s3://bucket/traffic --traffic-ratio 0.5
 
---traffic retrains from served traffic (a deployment's traffic sink output, pipelines/retrain_traffic.py): the
+--traffic retrains from served traffic (a deployment's traffic sink output, pipelines/retrain/traffic.py): the
 fraction --traffic-ratio of the training rows is drawn from it, the conversations below --traffic-eval-fraction by
 id hash are never trained on and are decoded as a second evaluation set; the candidate becomes champion only if
 its tau on that held-out traffic beats the champion's by --margin and its tau on --eval-prompts is no more than

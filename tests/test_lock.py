@@ -170,9 +170,9 @@ def test_the_evaluation_under_the_lock_reports_progress_and_is_cancelled_past_it
                                                                                             monkeypatch):
     """The champion's re-evaluation (a Ray task) ticks a beacon; the driver turns each tick into the lease's
     progress. One that never finishes is cancelled at its deadline and the decision fails."""
-    import pipelines.retrain_eval as retrain_eval
+    import pipelines.retrain.evaluate as retrain_eval
     from pipelines.retrain import RetrainConfig
-    from pipelines.retrain_eval import EvaluationTimeout, evaluate_on_worker
+    from pipelines.retrain.evaluate import EvaluationTimeout, evaluate_on_worker
 
     seen = tmp_path / "progress-seen"
 

@@ -199,7 +199,7 @@ def test_a_warm_started_candidate_takes_the_fine_tuning_rate(tmp_path, monkeypat
     """Warm-started, a candidate trains at `warm_start_lr` (fine-tuning) unless `train` sets lr; from scratch
     it keeps the trainer's own default."""
     import pipelines.train
-    from pipelines.retrain import _train_scale
+    from pipelines.retrain.job import _train_scale
     from pipelines.train import TrainJobConfig
 
     seen = []
@@ -216,7 +216,7 @@ def test_the_evaluation_rotates_which_mode_decodes_a_prompt_first(tiny_target, m
 
     import eagle_core.chat
     import eagle_core.generate
-    from pipelines.retrain_eval import evaluate_draft
+    from pipelines.retrain.evaluate import evaluate_draft
     from tests.decode_helpers import echo_draft
 
     real, order = eagle_core.generate.generate, []

@@ -1,4 +1,4 @@
-"""Retraining from traffic (`pipelines.retrain_traffic`, `jobs/retrain.py --traffic`): the mix, the held-out slice,
+"""Retraining from traffic (`pipelines.retrain.traffic`, `jobs/retrain.py --traffic`): the mix, the held-out slice,
 the refusals and the promotion rule, tested on their functions (no Ray run: the planning and the decision are
 what decides which rows train and which version serves).
 
@@ -19,7 +19,7 @@ import torch
 
 from pipelines.retrain import RetrainConfig
 from pipelines.feature_files import load_manifest
-from pipelines.retrain_traffic import (answer_start, beats_on_traffic, check_traffic, extract_overrides, promotion_rule,
+from pipelines.retrain.traffic import (answer_start, beats_on_traffic, check_traffic, extract_overrides, promotion_rule,
                                        traffic_prompts, training_features)
 from pipelines.train.config import TrainJobConfig
 from pipelines.train.plan import held_out_by_hash, make_plan
@@ -206,8 +206,8 @@ def test_traffic_tau_is_the_tau_evaluate_draft_reports(tiny_target):
     prompts, on a draft that is right often but not always."""
     from decode_helpers import echo_draft, random_prompts
     from eagle_core.tree import TreeConfig
-    from pipelines.retrain_eval import evaluate_draft
-    from pipelines.retrain_traffic import traffic_tau
+    from pipelines.retrain.evaluate import evaluate_draft
+    from pipelines.retrain.traffic import traffic_tau
 
     draft = echo_draft(tiny_target)
     prompts = [{"set": "traffic", "ids": ids} for ids in random_prompts(3, tiny_target.config.vocab_size, seed=4)]

@@ -1,7 +1,7 @@
 """Retraining from traffic: a traffic sink's shards mixed into training, a held-out slice of them as the evaluation.
 
 `jobs/retrain.py --traffic URL` (`RetrainConfig.traffic`) changes three things in a retraining run
-(`pipelines.retrain`), and nothing else:
+(`pipelines.retrain.job`), and nothing else:
 
 - *Training data*: the base corpus is extracted with the traffic's dtype and aux layers (`extract_overrides`: the
   two are decoded as one) into `features/rows-<rows>-traffic`, and each scale's draft (`drafts/rows-<rows>-traffic`)
@@ -15,7 +15,7 @@
   are the traffic evaluation's prompts: each row's tokens up to its last answer (the prompt the server was sent,
   chat template and generation prompt included).
 - *Promotion*: candidate and champion are decoded greedily on the base evaluation set (`eval_prompts`) and on the
-  held-out traffic, with one target load (`pipelines.retrain_eval.evaluate_draft` on the base set; on traffic its
+  held-out traffic, with one target load (`pipelines.retrain.evaluate.evaluate_draft` on the base set; on traffic its
   tau alone, `traffic_tau`; both by real decoding). The candidate takes `champion` (the same compare-and-set under
   the promotion lock, `pipelines.registry.decide_promotion`) only when its traffic tau beats the champion's by
   `margin` AND its base tau is no more than `base_margin` below the champion's (`beats_on_traffic`). Both taus are
@@ -78,7 +78,7 @@ def check_traffic(config) -> dict:
 def extract_overrides(config) -> dict:
     """The base extraction's settings that traffic fixes: its features are mixed with the traffic's, so they take the
     dtype and aux layers the server captured with (the traffic manifest's), whatever `extract` or the recipe set
-    ({} without traffic). They are extracted into their own folder (`pipelines.retrain.features_url`)."""
+    ({} without traffic). They are extracted into their own folder (`pipelines.retrain.job.features_url`)."""
     if not config.traffic:
         return {}
     from pipelines.feature_files import load_manifest
@@ -128,7 +128,7 @@ def traffic_prompts(url: str, fraction: float, count: int) -> list[dict]:
 
 
 def traffic_tau(target, tokenizer, draft, prompts: list[dict], config) -> float:
-    """tau on the held-out traffic (`traffic_prompts`), as `pipelines.retrain_eval.evaluate_draft` measures its tau:
+    """tau on the held-out traffic (`traffic_prompts`), as `pipelines.retrain.evaluate.evaluate_draft` measures its tau:
     greedy decoding with `config.eval_tree` as its auto-tune's calibration decodes (the same tree and context
     chains, `eagle_core.autotune`), without the cost measurements and timed decodes its speed-ups need."""
     from eagle_core.autotune import DEFAULT_CONTEXT_CHAINS, calibrate_acceptance

@@ -1,7 +1,7 @@
 """Evaluating drafts for retraining: each by real decoding of held-out prompts on the target (`evaluate_draft`: tau
 and the speed-ups a user gets), several on one target load in a Ray task (`evaluate_on_worker`, on a GPU node where
-the cluster has GPUs), which reports progress to the promotion lease when it runs under it. `pipelines.retrain`
-compares what they return; with traffic, the held-out traffic's tau comes with it (`pipelines.retrain_traffic`).
+the cluster has GPUs), which reports progress to the promotion lease when it runs under it. `pipelines.retrain.job`
+compares what they return; with traffic, the held-out traffic's tau comes with it (`pipelines.retrain.traffic`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from pipelines.console import progress
 from pipelines.registry import PromotionConflict, PromotionLease
-from pipelines.retrain_traffic import TRAFFIC_SET, traffic_prompts, traffic_tau
+from pipelines.retrain.traffic import TRAFFIC_SET, traffic_prompts, traffic_tau
 from pipelines.storage import resolve_source
 
 if TYPE_CHECKING:
-    from pipelines.retrain import RetrainConfig
+    from pipelines.retrain.job import RetrainConfig
 
 
 def check_eval_prompts(source: str) -> None:

@@ -3,11 +3,11 @@
 Each scale is a prefix of the corpus (a row count, or a fraction of the corpus). Its extraction output
 reuses every shard an earlier scale already committed (shard k of a prefix is shard k of the whole), so a
 larger scale only regenerates and extracts the rows it adds; a scale whose draft was already trained
-skips training. Evaluation (pipelines/retrain_eval.py) decodes held-out prompts with the new draft and with the
+skips training. Evaluation (pipelines/retrain/evaluate.py) decodes held-out prompts with the new draft and with the
 current champion; the new version takes alias `champion` only when its tau beats the champion's by `margin`,
 otherwise it stays `candidate`. One MLflow parent run per invocation, one child run per scale, and the
 tau-vs-data-scale curve (EAGLE-3's scaling property, for this target) as a plot on the parent. With `traffic` the
-drafts also train on served traffic and are compared on its held-out slice too (pipelines/retrain_traffic.py).
+drafts also train on served traffic and are compared on its held-out slice too (pipelines/retrain/traffic.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from eagle_core.tree import TreeConfig
 from pipelines.registry import (CANDIDATE, CHAMPION, TAU_DTYPE_TAG, PromotionConflict,  # noqa: F401 (re-exported)
                                 PromotionLease, alias_version, client as registry_client, decide_promotion,
                                 register_draft_folder, rollback)
-from pipelines.retrain_eval import check_eval_prompts, evaluate_on_worker
-from pipelines.retrain_traffic import (check_traffic, extract_overrides, promotion_rule, promotion_score,
+from pipelines.retrain.evaluate import check_eval_prompts, evaluate_on_worker
+from pipelines.retrain.traffic import (check_traffic, extract_overrides, promotion_rule, promotion_score,
                                        traffic_result, training_features)
 from pipelines.storage import exists, join, read_bytes
 
@@ -41,7 +41,7 @@ class RetrainConfig:
     eval_max_new_tokens: int = 64
     eval_tree: TreeConfig = field(default_factory=TreeConfig)  # the decoding tree of the evaluation
     margin: float = 0.05  # tau the new draft must gain over the champion to replace it (on traffic, with `traffic`)
-    # Retraining from traffic (pipelines/retrain_traffic.py): a traffic sink's output mixed into training, its
+    # Retraining from traffic (pipelines/retrain/traffic.py): a traffic sink's output mixed into training, its
     # held-out slice (by conversation id hash) decoded as a second evaluation set beside eval_prompts
     traffic: str | None = None
     traffic_ratio: float = 0.5  # the fraction of each epoch's training rows drawn from traffic
