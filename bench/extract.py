@@ -50,7 +50,7 @@ def plain_loop(rows, config) -> tuple[float, int, int]:
 def ray_pipeline(rows, config) -> tuple[float, dict]:
     import ray
 
-    from pipelines.extract import _stages
+    from pipelines.extract.job import _stages
     from pipelines.shard_plan import plan_shards
     from pipelines.feature_files import read_shard_summary
 
@@ -77,13 +77,7 @@ def engine_turn(name: str, rows, config, regen_prompts: int, regen_tokens: int) 
     with make_engine(config.engine_config()) as engine:
         start_s = time.perf_counter() - start
         tokenized, _ = tokenize_for_training(engine.tokenizer, rows, config.max_length)
-        from eagle_core.target import resolve_aux_layer_ids
-        from transformers import AutoConfig
-
-        from eagle_core.target import materialize_hf_folder
-
-        aux = resolve_aux_layer_ids(config.aux_layer_ids,
-                                    AutoConfig.from_pretrained(materialize_hf_folder(config.target)).num_hidden_layers)
+        aux = engine.aux_layer_ids
         engine.features(tokenized[:2], aux, config.tokens_per_batch)  # warm
         t = time.perf_counter()
         engine.features(tokenized, aux, config.tokens_per_batch)

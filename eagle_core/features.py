@@ -1,7 +1,7 @@
 """Conversations -> training features: regenerate assistant turns with the target, then tokenise with the
 chat template + loss mask and capture the aux and final hidden states, batched by similar length.
 
-Pure torch + transformers; the Ray stages in `pipelines/extract.py` call these once per shard.
+Pure torch + transformers; the Ray stages in `pipelines/extract/` call these once per shard.
 """
 
 from __future__ import annotations

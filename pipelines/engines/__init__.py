@@ -87,6 +87,7 @@ class TargetEngine:
     name = "?"
     tokenizer = None
     model = None  # the transformers model where the engine holds one (hf), else None
+    aux_layer_ids: list[int] | None = None  # the aux layers it captures: config.aux_layer_ids resolved for the target
 
     @classmethod
     def check(cls, config: EngineConfig, cluster_gpus_per_node: list[float] | None = None) -> None:

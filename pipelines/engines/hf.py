@@ -17,12 +17,13 @@ class HFEngine(TargetEngine):
                               "for --tensor-parallel-size / --pipeline-parallel-size")
 
     def __init__(self, config: EngineConfig):
-        from eagle_core.target import default_device, device_map_for, load_target
+        from eagle_core.target import default_device, device_map_for, load_target, resolve_aux_layer_ids
 
         self.config = config
         # An actor given several GPUs holds one target copy spread over them (a target larger than one GPU).
         self.model, self.tokenizer = load_target(config.target, device=default_device(), dtype=config.dtype,
                                                  device_map=device_map_for(config.gpus or 0))
+        self.aux_layer_ids = resolve_aux_layer_ids(config.aux_layer_ids, self.model.config.num_hidden_layers)
 
     def regenerate(self, prompts, max_new_tokens, temperature, seed):
         from eagle_core.features import generate_replies
