@@ -2,6 +2,7 @@
 
   python jobs/serve.py --target smollm2-135m --draft eagle_core/drafts/smollm2-135m-instruct --port 8000
   python jobs/serve.py --draft models:/smollm2-eagle3@production --set max_batch_size=8 --set num_cpus=2
+  python jobs/serve.py --engine vllm --draft models:/smollm2-eagle3@champion --set num_speculative_tokens=3
   ray job submit --address http://127.0.0.1:8265 -- python jobs/serve.py --draft ...   (stays up)
 
 Binds 127.0.0.1 unless --host says otherwise. Runs until SIGTERM / SIGINT (or `ray job stop`), then deletes
@@ -45,6 +46,9 @@ def main(argv=None):
     p.add_argument("--draft", default="shipped",
                    help="draft folder (path or URL), models:/<name>@<alias>, 'shipped' (the draft the project ships for "
                         "a named target; plain decoding for other targets) or 'none' (plain decoding)")
+    p.add_argument("--engine", choices=("eagle3", "vllm"), default="eagle3",
+                   help="what decodes: this project's decoder (EAGLE-2 dynamic trees) or vLLM with the draft as its "
+                        "EAGLE-3 speculator (--set num_speculative_tokens=K; default the draft's TTT depth)")
     p.add_argument("--name", default="eagle3", help="Serve application name")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (an all-interfaces address exposes the server to the network: only behind auth)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the Serve app")
@@ -86,7 +90,7 @@ def main(argv=None):
               "reaches this port can use the model", file=sys.stderr, flush=True)
         sets["insecure_no_auth"] = "true"
     draft = served_draft(args.draft, args.target)
-    app_args = {"target": args.target, **({"draft": draft} if draft else {}), **sets}
+    app_args = {"target": args.target, "engine_name": args.engine, **({"draft": draft} if draft else {}), **sets}
     app = build_app(app_args)
     serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)
     url = f"http://{host}:{port}{args.route_prefix.rstrip('/')}"

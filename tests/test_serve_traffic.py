@@ -398,7 +398,7 @@ def test_bad_sink_settings_stop_the_replica_before_any_model_loads(models, monke
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("pipelines.serve.service.load_models", no_load)
+    monkeypatch.setattr("pipelines.serve.models.load_models", no_load)
     with pytest.raises(ModuleNotFoundError):
         start(models, traffic_url="/nonexistent/traffic", traffic_redact="no_such_module_xyz:redact")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 DEFAULT_LABEL = "default"
 OTHER_LABEL = "other"  # where labels beyond the cap are folded (bounded metric cardinality)
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-DRIFT_MODES = ("tree", "context")
+DRIFT_MODES = ("tree", "context", "vllm")  # "vllm": a verification step of vLLM's EAGLE-3 (its replicas have no other)
 
 
 def check_label(label: str) -> str:

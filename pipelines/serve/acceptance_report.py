@@ -45,7 +45,8 @@ def registry_version(source: str | None, version: str | None) -> tuple[str, str]
     return registered_name(source), version
 
 
-def reference_tau(config, version: str | None, served_dtype: str | None = None) -> float | None:
+def reference_tau(config, version: str | None, served_dtype: str | None = None,
+                  tag_name: str = TAU_TAG) -> float | None:
     """What the drift rule compares with: `drift_reference_tau`, else the served registry version's `tau` tag,
     else None (no drift rule). A registry that does not answer also gives None (logged): serving goes on.
 
@@ -65,7 +66,7 @@ def reference_tau(config, version: str | None, served_dtype: str | None = None) 
 
         client = tracking.configure().tracking.MlflowClient()
         tags = client.get_model_version(*ref).tags or {}
-        tag = tags.get(TAU_TAG)
+        tag = tags.get(tag_name)  # our decoder's tree tau, or vLLM's acceptance length (the engine's own measure)
         measured_in = tags.get(TAU_DTYPE_TAG)
         if tag is not None and served_dtype and measured_in and measured_in != served_dtype:
             log.warning("the drift reference tau %s of %s version %s was measured in %s; this replica serves %s: "

@@ -34,6 +34,10 @@ class ServeConfig:
     registry_timeout_s: float = 30.0  # a registry lookup that takes longer counts as failed
     draft_stale_polls: int = 3  # this many failed polls in a row: /health's detail and /metrics say `stale`
     model_name: str = ""  # the id clients send as `model`; default: derived from target/draft
+    # what decodes (pipelines/serve/engines.py): "eagle3", this project's decoder (EAGLE-2 dynamic trees; the tree
+    # and batching fields below), or "vllm", vLLM's engine with the draft as its EAGLE-3 speculator
+    engine_name: str = "eagle3"
+    num_speculative_tokens: int | None = None  # vllm: draft tokens per step (k); None: the draft's TTT depth
     device: str | None = None  # None = cuda when available, else cpu
     # "auto": one target copy spread over every GPU the replica holds (give it num_gpus > 1); None = "auto"
     # exactly when the replica sees more than one GPU.
@@ -120,6 +124,15 @@ class ServeConfig:
             raise ValueError("default_max_tokens must be in 1..max_tokens_limit")
         if self.draft_poll_s < 0:
             raise ValueError("draft_poll_s must be >= 0 (0 = no polling)")
+        from pipelines.serve.engines import ENGINE_NAMES
+
+        if self.engine_name not in ENGINE_NAMES:
+            raise ValueError(f"engine_name must be one of {ENGINE_NAMES}, got {self.engine_name!r}")
+        if self.engine_name == "vllm" and self.traffic_url is not None:
+            raise ValueError("the traffic sink needs features captured while decoding, which vLLM does not hand "
+                             "out: serve with engine_name 'eagle3' to record traffic")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1 (or None: the draft's TTT depth)")
         if self.registry_timeout_s <= 0 or self.draft_stale_polls < 1:
             raise ValueError("registry_timeout_s must be > 0 and draft_stale_polls >= 1")
         if min(self.request_timeout_s, self.stall_timeout_s) <= 0 or self.drain_s < 0:

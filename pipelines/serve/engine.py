@@ -50,6 +50,7 @@ from eagle_core.policy import ModeChooser
 from eagle_core.static_rows import StaticConfig
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
+from pipelines.registry import TAU_TAG
 from pipelines.serve.rows import DraftRef, Event, GenerationRequest, Lane, Overloaded, Row, describe_load
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ def choose_mode(batch_rows: int, config: EngineConfig, has_draft: bool) -> str:
 class Engine:
     """Admits requests, decodes every lane round by round on one thread, reports per-request events."""
 
+    reference_tag = TAU_TAG  # a registered version's tree tau: the drift rule's reference
+
     def __init__(self, target, tokenizer, draft, config: EngineConfig, metrics=None, draft_version: str | None = None,
                  sink=None):
         self.target, self.tokenizer, self.config = target, tokenizer, config
@@ -140,6 +143,12 @@ class Engine:
         return self.current.version
 
     # -- called from other threads --
+    def load_draft(self, source: str):
+        """The draft at `source` (a folder, URL or registry URI), validated against the target, for `set_draft`."""
+        from pipelines.serve.models import load_draft_for
+
+        return load_draft_for(self.target, source)
+
     def set_draft(self, draft, version: str | None) -> None:
         """Decode requests submitted from now on with `draft` (already validated against the target, on its
         device). Requests already submitted keep the draft they were pinned to, to their end (module docstring)."""

@@ -218,16 +218,32 @@ class ServeMetrics:
                    (self.traffic_bytes, {}, stats.get("bytes", 0))]
         samples += [(self.traffic_dropped, {"reason": reason}, n) for reason, n in stats.get("dropped", {}).items()]
         with self._traffic_lock:
-            for metric, labels, value in samples:
-                key = (id(metric), *sorted(labels.items()))
-                delta = value - self._traffic_seen.get(key, 0)
-                if delta > 0 or key not in self._traffic_seen:  # a first 0 too: the series shows up at 0
-                    metric.record(max(delta, 0), **labels)
-                    self._traffic_seen[key] = value
+            _copy_increments(samples, self._traffic_seen)
 
     def add_source(self, sync) -> None:
         """`sync()` runs before each exposition (e.g. copying a component's own counters in)."""
         self._sources.append(sync)
+
+    # -- vLLM's own spec-decode counters (pipelines/serve/vllm_engine.py) --
+    def enable_vllm_spec(self, counts) -> None:
+        """Export vLLM's engine-wide spec-decode counters (`SpecCounts`, read at each exposition): drafts, drafted and
+        accepted tokens, accepted tokens per draft position, as vLLM's own /metrics names them."""
+        m = self._metric
+        self.vllm_drafts = m("counter", "vllm_spec_decode_drafts", "vLLM verification steps with a draft")
+        self.vllm_draft_tokens = m("counter", "vllm_spec_decode_draft_tokens", "draft tokens vLLM verified")
+        self.vllm_accepted = m("counter", "vllm_spec_decode_accepted_tokens", "draft tokens vLLM accepted")
+        self.vllm_accepted_pos = m("counter", "vllm_spec_decode_accepted_tokens_per_pos",
+                                   "draft tokens vLLM accepted, by draft position", ("position",))
+        self._vllm_seen: dict = {}
+
+        def sync() -> None:
+            samples = [(self.vllm_drafts, {}, counts.num_drafts), (self.vllm_draft_tokens, {}, counts.num_draft_tokens),
+                       (self.vllm_accepted, {}, counts.num_accepted_tokens)]
+            samples += [(self.vllm_accepted_pos, {"position": str(i)}, n)
+                        for i, n in enumerate(counts.accepted_per_pos)]
+            _copy_increments(samples, self._vllm_seen)
+
+        self.add_source(sync)
 
     # -- HTTP hooks --
     def on_response(self, route: str, code: int, seconds: float | None = None) -> None:
@@ -250,3 +266,13 @@ class ServeMetrics:
             except Exception:  # noqa: BLE001 -- a failing source must not take /metrics down
                 pass
         return prom.generate_latest(self.registry)
+
+
+def _copy_increments(samples, seen: dict) -> None:
+    """Counters kept elsewhere as cumulative values -> our counters' increments since the last copy (`seen`)."""
+    for metric, labels, value in samples:
+        key = (id(metric), *sorted(labels.items()))
+        delta = value - seen.get(key, 0)
+        if delta > 0 or key not in seen:  # a first 0 too: the series shows up at 0
+            metric.record(max(delta, 0), **labels)
+            seen[key] = value

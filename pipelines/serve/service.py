@@ -20,10 +20,10 @@ from pipelines.serve import responses as R
 from pipelines.serve.acceptance import DEFAULT_LABEL, AcceptanceRecord, AcceptanceTracker
 from pipelines.serve.acceptance_report import AcceptanceReporter, reference_tau, registry_version, resolve_hook
 from pipelines.serve.config import ServeConfig, resolve_api_key
-from pipelines.serve.engine import Engine
+from pipelines.serve.engines import SERVE_ENGINES
 from pipelines.serve.metrics import ServeMetrics
 from pipelines.serve.champion import DraftFollower, RegistryTimeout, bounded
-from pipelines.serve.models import LOCAL_DRAFT, NO_DRAFT, load_draft_for, load_models, watches_alias
+from pipelines.serve.models import LOCAL_DRAFT, NO_DRAFT, watches_alias
 from pipelines.serve.rows import Event, GenerationRequest, Overloaded
 from pipelines.traffic import resolve_hook as resolve_redaction
 
@@ -43,31 +43,24 @@ class Service:
         drift_hook = resolve_hook(config.drift_hook, config.drift_hook_timeout_s) if config.acceptance else None
         # ... and so does a traffic redaction hook that does not import (the sink's values were checked by ServeConfig)
         redact = resolve_redaction(config.traffic_redact) if config.traffic_url is not None else None
-        from eagle_core.target import device_map_for
-
-        device_map = config.device_map if config.device_map is not None else device_map_for()
         # the registry's draft, or the last one recorded when the registry does not answer (champion.py)
         self.champion = DraftFollower(config.draft, config.draft_record, config.registry_timeout_s,
                                       config.draft_stale_polls)
         draft_source, version = self.champion.resolve_at_start()
-        models = load_models(config.target, draft_source, config.device, config.dtype, device_map)
-        self.champion.serving(version)
-        if not self.champion.from_record:
-            self.champion.remember(draft_source, version)
-        self.target, self.tokenizer, self.speculative = models.target, models.tokenizer, models.draft is not None
-        self.context = min(config.max_context, models.context_length)
-        self.vocab_size = models.target.get_input_embeddings().weight.shape[0]
         self.api_key = resolve_api_key(config)
         self.metrics = ServeMetrics(config.depth, use_ray=use_ray_metrics)
         self.metrics.add_source(lambda: self.metrics.on_draft(self.champion))
-        self.traffic = self._start_traffic(models, redact)  # None: the sink is off
-        try:
-            self.engine = Engine(models.target, models.tokenizer, models.draft, config.engine, metrics=self.metrics,
-                                 draft_version=version, sink=self.traffic)
-        except BaseException:
-            if self.traffic is not None:
-                self.traffic.close(0)
-            raise
+        self.traffic = None  # the sink, when on (`_start_traffic`, called by the engine's start with the models)
+        started = SERVE_ENGINES[config.engine_name](config, draft_source, version, self.metrics,
+                                                    lambda models: self._start_traffic(models, redact))
+        self.engine, self.tokenizer, self.speculative = started.engine, started.tokenizer, started.speculative
+        self.dtype, self.vocab_size = started.dtype, started.vocab_size
+        self.context = min(config.max_context, started.context_length)
+        if getattr(self.engine, "spec_counts", None) is not None:  # vLLM's engine-wide counters
+            self.metrics.enable_vllm_spec(self.engine.spec_counts)
+        self.champion.serving(version)
+        if not self.champion.from_record:
+            self.champion.remember(draft_source, version)
         self.created = R.now()
         self.replica: str | None = None  # a Serve replica's id (set by the deployment; a response header)
         self._start_acceptance(version, drift_hook)
@@ -96,7 +89,7 @@ class Service:
             return False
         t0 = time.perf_counter()
         try:
-            draft = load_draft_for(self.target, pinned)
+            draft = self.engine.load_draft(pinned)
         except Exception as exc:
             self.champion.failed(exc)
             raise
@@ -141,8 +134,8 @@ class Service:
         dtype = models.target.get_input_embeddings().weight.dtype
         folder = materialize_hf_folder(resolve_source(config.target))
         fingerprint = traffic_fingerprint(traffic, folder, models.target.config, dtype)
-        sink = TrafficSink(traffic, tokenizer=models.tokenizer, dtype=dtype, redact=redact,
-                           target_config=models.target.config, fingerprint=fingerprint)
+        sink = self.traffic = TrafficSink(traffic, tokenizer=models.tokenizer, dtype=dtype, redact=redact,
+                                          target_config=models.target.config, fingerprint=fingerprint)
         self.metrics.enable_traffic()
         self.metrics.add_source(self._traffic_metrics)
         log.info("traffic sink on: %s (sample rate %g, features %s)", config.traffic_url, config.traffic_sample_rate,
@@ -196,9 +189,10 @@ class Service:
         replica started from its draft record, or when the registry does not answer within registry_timeout_s."""
         if not self.config.acceptance or self.champion.from_record:
             return None
-        served_dtype = DTYPE_NAMES[self.target.dtype]  # named as the evaluation names it (TAU_DTYPE_TAG)
+        served_dtype = DTYPE_NAMES[self.dtype]  # named as the evaluation names it (TAU_DTYPE_TAG)
         try:
-            return bounded(lambda: reference_tau(self.config, version, served_dtype), self.config.registry_timeout_s)
+            tag = self.engine.reference_tag  # what the evaluation measured for this engine (a version's tag)
+            return bounded(lambda: reference_tau(self.config, version, served_dtype, tag), self.config.registry_timeout_s)
         except RegistryTimeout as exc:
             log.warning("no drift reference for draft version %s: %s", version, exc)
             return None
