@@ -871,7 +871,7 @@ def test_a_promotion_lock_made_by_another_mlflow_user_is_refused_at_once_naming_
 
     from mlflow import MlflowClient
 
-    from pipelines.registry import ForeignLock, PromotionConflict, PromotionLease
+    from pipelines.promotion_lock import ForeignLock, PromotionConflict, PromotionLease
 
     port, password = auth_mlflow
     url = f"http://127.0.0.1:{port}"

@@ -49,7 +49,8 @@ def test_a_holder_whose_evaluation_hangs_loses_the_lock_and_another_driver_promo
     """Driver A holds the lock and re-evaluates the champion, which hangs (no progress). Its lease is no longer
     renewed, so driver B takes the lock while A still hangs and promotes; when A wakes up it finds the lock lost
     and changes nothing."""
-    from pipelines.registry import CHAMPION, PromotionConflict, PromotionLease, decide_promotion
+    from pipelines.promotion_lock import PromotionConflict, PromotionLease
+    from pipelines.registry import CHAMPION, decide_promotion
 
     name = "hung"
     v1 = register(tmp_path / "v1", name, CHAMPION)
@@ -89,7 +90,8 @@ def test_two_takeovers_of_an_expired_lock_at_once_leave_exactly_one_holder(store
     first driver has already taken the lock anew. Only the version read may be deleted, so one driver holds."""
     from mlflow import MlflowClient
 
-    from pipelines.registry import LOCK_SUFFIX, PromotionConflict, PromotionLease, client
+    from pipelines.promotion_lock import LOCK_SUFFIX, PromotionConflict, PromotionLease
+    from pipelines.registry_client import client
 
     lock = "race" + LOCK_SUFFIX
     client().create_registered_model(lock, tags={"owner": "dead-host:1:0123abcd", "expires": f"{time.time() - 1}"})
@@ -146,7 +148,7 @@ def test_registration_and_the_demo_cannot_move_champion_past_a_newer_one(store, 
     import eagle_core.shipped
     import pipelines.retrain
     from jobs import demo
-    from pipelines.registry import PromotionConflict
+    from pipelines.promotion_lock import PromotionConflict
 
     name = demo.REGISTERED_MODEL
     first = register(tmp_path / "v1", name, "champion")  # the first champion: there was none

@@ -55,12 +55,12 @@ def register(folder: Path, name: str, alias: str | None = None) -> str:
 
 def test_no_model_and_no_alias_are_none_a_stopped_or_hung_server_is_an_error(server, tmp_path):
     from pipelines.retrain import CHAMPION, RetrainConfig, alias_version, run_retrain
-    from pipelines.registry import RegistryUnavailable
+    from pipelines.registry_client import RegistryUnavailable
 
     assert alias_version("never-registered", CHAMPION) is None
     first = register(tmp_path / "d1", "blink", alias=None)
     assert alias_version("blink", CHAMPION) is None  # the model exists, the alias does not
-    from pipelines.registry import client
+    from pipelines.registry_client import client
 
     client().set_registered_model_alias("blink", CHAMPION, first)
     assert str(alias_version("blink", CHAMPION).version) == first
@@ -89,7 +89,8 @@ def test_no_model_and_no_alias_are_none_a_stopped_or_hung_server_is_an_error(ser
 
 DRIVER = """
 import json, sys, time
-from pipelines.registry import PromotionLease, decide_promotion
+from pipelines.promotion_lock import PromotionLease
+from pipelines.registry import decide_promotion
 name, version, tau, observed, observed_tau, taus, start = json.loads(sys.argv[1])
 def evaluate(v):  # the champion's evaluation (a decode on a worker in a real run) takes a while
     time.sleep(0.5)
@@ -105,7 +106,8 @@ def test_racing_drivers_decide_once_per_observed_champion_and_the_best_draft_win
     the champion the previous decision left and re-evaluates it when it moved; so no two promotions replace the
     same champion, every decision compares with the champion of its moment, and the best draft (tau 2.0) ends as
     champion whatever the order, never a worse one that decided later."""
-    from pipelines.registry import CHAMPION, DECIDED_AGAINST_TAG, PREVIOUS_CHAMPION_TAG, alias_version, client
+    from pipelines.registry import CHAMPION, DECIDED_AGAINST_TAG, PREVIOUS_CHAMPION_TAG, alias_version
+    from pipelines.registry_client import client
 
     name = "race"
     champion = register(tmp_path / "v1", name, CHAMPION)
@@ -152,7 +154,8 @@ def test_racing_drivers_decide_once_per_observed_champion_and_the_best_draft_win
 
 
 def test_an_expired_lease_is_taken_over_and_a_live_one_is_waited_for(server):
-    from pipelines.registry import LOCK_SUFFIX, PromotionConflict, PromotionLease, client
+    from pipelines.promotion_lock import LOCK_SUFFIX, PromotionConflict, PromotionLease
+    from pipelines.registry_client import client
 
     c = client()
     c.create_registered_model("lease" + LOCK_SUFFIX, tags={"owner": "dead-host:1:x", "expires": f"{time.time() - 1}"})
@@ -197,13 +200,13 @@ class _Answers:
 def test_the_lease_is_taken_through_the_servers_racy_answers_to_create(server, monkeypatch, answer):
     """Either answer to the create means the lock is free (gone) or ours (lost): the lease is taken at once, not
     refused as a server failure and not waited for until it expires."""
-    from pipelines import registry
-    from pipelines.registry import LOCK_SUFFIX, PromotionLease
+    from pipelines import promotion_lock
+    from pipelines.promotion_lock import LOCK_SUFFIX, PromotionLease
 
     name = f"racy-{answer}"
-    real = registry.client()
+    real = promotion_lock.client()
     patched = _Answers(real, name + LOCK_SUFFIX, answer)
-    monkeypatch.setattr(registry, "client", lambda: patched)
+    monkeypatch.setattr(promotion_lock, "client", lambda: patched)  # the client the lease calls
     with PromotionLease(name, wait_s=5, poll_s=0.2) as held:
         held.verify()
         assert patched.answer is None  # the racy answer was given

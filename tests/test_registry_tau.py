@@ -7,7 +7,8 @@ its rule compares across dtypes. The session's own MLflow store (tests/conftest.
 import json
 import logging
 
-from pipelines.registry import CHAMPION, client, register_draft_folder
+from pipelines.registry import CHAMPION, register_draft_folder
+from pipelines.registry_client import client
 from pipelines.serve.acceptance_report import reference_tau
 from pipelines.serve.config import ServeConfig
 
