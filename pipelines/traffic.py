@@ -30,8 +30,8 @@ Guarantees:
 - A size cap (`max_bytes`, the committed shards' bytes): records beyond it are dropped and counted. Retention
   (`max_shards`, `max_age_s`): after each commit the oldest shards beyond the limits are retired (a tombstone every
   replica reads: they leave every manifest), and leave the store `retention_grace_s` later, when no manifest lists
-  them (a training run that read a manifest before has that long to read its shards). Several replicas may share one URL (each its own writer id); each rebuilds the manifest from the
-  shards listed there, so one replica's manifest may miss another's newest shard until the next commit.
+  them (a training run that read a manifest before has that long to read its shards). Several replicas may share
+  one URL (each its own writer id). The folder's shards, retention and manifest: `pipelines.traffic_retention`.
 """
 
 from __future__ import annotations
@@ -46,21 +46,17 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict
 from typing import Callable
 
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.feature_files import (DTYPE_NAMES, FEATURE_SCHEMA, SHARD_META_KEY, FeatureManifest,
-                                     FingerprintMismatch, ShardEntry, check_fingerprint, committed_shards,
-                                     feature_table, load_manifest, read_shard_summary,
-                                     write_manifest)
+from pipelines.feature_files import DTYPE_NAMES, SHARD_META_KEY, FingerprintMismatch, check_fingerprint, feature_table
 from pipelines.hooks import import_callable
-from pipelines.storage import commit_bytes, exists, join, read_bytes, url_to_fs
-from pipelines.traffic_config import CORPUS, ServedConversation, TrafficConfig, traffic_fingerprint
+from pipelines.storage import commit_bytes, exists, join, read_bytes
+from pipelines.traffic_config import ServedConversation, TrafficConfig, traffic_fingerprint
+from pipelines.traffic_retention import TrafficShards
 
-RETIRED = "retired"  # the tombstones of retired shards (`_refresh_manifest`)
 _STOP = object()  # queued by close(): the writer thread ends now instead of at its next poll
 log = logging.getLogger(__name__)
 
@@ -125,8 +121,9 @@ class TrafficSink:
             target_config = target_config or AutoConfig.from_pretrained(folder)
             fingerprint = fingerprint or traffic_fingerprint(config, folder, target_config, dtype)
         self.target_config, self.fingerprint = target_config, fingerprint
-        self.aux_layer_ids = list(fingerprint["aux_layer_ids"])
         self.hidden = target_config.hidden_size
+        # the folder's committed shards (any writer's), retention and manifest (writer thread; record reads its bytes)
+        self.shards = TrafficShards(config, fingerprint, target_config, dtype, self._count)
         self.writer = uuid.uuid4().hex[:8]  # this sink's shards, beside other replicas' in the same folder
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending)
         self._buffer_held = 0  # bytes of the records in the buffer and the shard being written (writer thread)
@@ -134,9 +131,6 @@ class TrafficSink:
         self._row_meta: dict[str, dict] = {}  # buffered row id -> its conversation's meta (e.g. the category)
         self._buffer_bytes = 0
         self._oldest: float | None = None
-        self._summaries: dict[str, dict] = {}  # committed shard -> its summary (shards never change)
-        self._bytes: dict[str, int] = {}  # committed shard -> its size
-        self._committed_bytes = None  # known after the first listing (writer thread)
         self._prepared = False
         self._stop = threading.Event()
         self._thread = None
@@ -160,8 +154,8 @@ class TrafficSink:
             if self._rng.random() >= self.config.sample_rate:
                 self._count("sampled_out")
                 return False
-            if self.config.max_bytes is not None and self._committed_bytes is not None \
-                    and self._committed_bytes >= self.config.max_bytes:
+            if self.config.max_bytes is not None and self.shards.committed_bytes is not None \
+                    and self.shards.committed_bytes >= self.config.max_bytes:
                 self._drop("size_cap")
                 return False
             nbytes = 8 * (len(prompt_ids) + len(answer_ids)) + _nbytes(features)
@@ -327,7 +321,7 @@ class TrafficSink:
         row = FeatureRow(id=str(item.id), input_ids=torch.tensor(tokens), loss_mask=torch.tensor(mask, dtype=torch.int8),
                          aux_hidden=aux, last_hidden=last)
         size = n * 4 + aux.numel() * aux.element_size() + last.numel() * last.element_size()
-        if self.config.max_bytes is not None and (self._committed() + self._buffer_bytes + size
+        if self.config.max_bytes is not None and (self.shards.committed() + self._buffer_bytes + size
                                                   > self.config.max_bytes):
             return self._drop("size_cap")
         self._buffer.append(row)
@@ -369,7 +363,7 @@ class TrafficSink:
             self._drop("store_error", err, len(rows))
         else:
             try:
-                self._refresh_manifest()
+                self.shards.refresh()
             except Exception as err:  # noqa: BLE001 -- the shard is committed; the next commit lists it
                 self._count("manifest_errors")
                 self.last_error = f"manifest: {err}"
@@ -416,127 +410,11 @@ class TrafficSink:
         pq.write_table(table, sink, compression="zstd")
         summary["seconds"] = time.perf_counter() - start
         commit_bytes(join(self.config.url, "features", f"{name}.parquet"), sink.getvalue())
-        self._summaries[name] = summary
-        self._bytes[name] = sink.tell()
+        self.shards.add(name, summary, sink.tell())
         with self._lock:
             self._counts["rows"] += len(rows)
             self._counts["shards"] += 1
             self._counts["bytes"] += sink.tell()
-
-    def _committed(self) -> int:
-        """Bytes of the committed shards (listed once; then kept up to date by this writer)."""
-        if self._committed_bytes is None:
-            try:
-                self._list()
-            except Exception:  # noqa: BLE001 -- an unreachable store: nothing known yet
-                return 0
-        return self._committed_bytes
-
-    def _list(self) -> list[str]:
-        """Every committed shard of the folder (any writer's), oldest first; their summaries and sizes cached."""
-        fs, _ = url_to_fs(self.config.url)
-        names = sorted(committed_shards(self.config.url))
-        for name in names:
-            if name not in self._summaries:
-                url = join(self.config.url, "features", f"{name}.parquet")
-                self._summaries[name] = read_shard_summary(url)
-                self._bytes[name] = fs.size(url_to_fs(url)[1])
-        for gone in set(self._summaries) - set(names):
-            self._summaries.pop(gone)
-            self._bytes.pop(gone, None)
-        self._committed_bytes = sum(self._bytes[n] for n in names)
-        return names
-
-    def _refresh_manifest(self) -> None:
-        """Retention in two steps, then the manifest of the live shards. A shard past the limits is *retired*: a
-        tombstone `retired/<shard>.<ms>.json` that every replica reads takes it out of every manifest written from
-        then on. It leaves the store only `retention_grace_s` later (longer than a training run reads the shards its
-        manifest named), and only if the manifest there now does not list it: a replica that listed the folder before
-        the tombstone and wrote its manifest after it would otherwise name a deleted shard."""
-        names = self._list()
-        now_ms = int(time.time() * 1000)
-        retired = self._retired()
-        live = [n for n in names if n not in retired]
-        expired = self._expired(live)
-        for name in expired:
-            commit_bytes(join(self.config.url, RETIRED, f"{name}.{now_ms}.json"), b"{}")
-            retired[name] = now_ms
-        if expired:
-            self._count("shards_retired", len(expired))
-        keep = [n for n in live if n not in expired]
-        write_manifest(self.config.url, self._manifest(keep))
-        due = [n for n, ms in retired.items() if n in names and now_ms - ms >= self.config.retention_grace_s * 1000]
-        if due:
-            listed = {s.name for s in load_manifest(self.config.url).shards}  # another replica's, maybe
-            fs, _ = url_to_fs(self.config.url)
-            for name in due:
-                if name in listed:
-                    self._count("removals_deferred")  # listed by a manifest again: the next refresh rewrites it
-                    continue
-                try:
-                    fs.rm(url_to_fs(join(self.config.url, "features", f"{name}.parquet"))[1])
-                except FileNotFoundError:  # another replica removed it first
-                    pass
-                self._summaries.pop(name, None)
-                self._bytes.pop(name, None)
-                self._count("shards_removed")
-                names.remove(name)
-            self._committed_bytes = sum(self._bytes.values())
-        for name, ms in retired.items():  # tombstones of shards no longer in the store
-            if name not in names:
-                try:
-                    url_to_fs(self.config.url)[0].rm(url_to_fs(join(self.config.url, RETIRED, f"{name}.{ms}.json"))[1])
-                except FileNotFoundError:
-                    pass
-
-    def _retired(self) -> dict[str, int]:
-        """Retired shard -> when it was retired (ms), from the tombstones every replica writes."""
-        fs, path = url_to_fs(join(self.config.url, RETIRED))
-        if not fs.exists(path):
-            return {}
-        out = {}
-        for entry in fs.ls(path, detail=False):
-            stem = entry.rsplit("/", 1)[-1].removesuffix(".json")
-            name, _, ms = stem.rpartition(".")
-            if name and ms.isdigit():
-                out[name] = min(int(ms), out.get(name, int(ms)))
-        return out
-
-    def _expired(self, names: list[str]) -> list[str]:
-        expired = []
-        if self.config.max_age_s is not None:
-            cutoff = (time.time() - self.config.max_age_s) * 1000
-            expired = [n for n in names if self._created_ms(n) < cutoff]
-        left = [n for n in names if n not in expired]
-        if self.config.max_shards is not None and len(left) > self.config.max_shards:
-            expired += left[: len(left) - self.config.max_shards]
-        return expired
-
-    def _created_ms(self, name: str) -> int:
-        created = self._summaries.get(name, {}).get("created_unix_ms")
-        return int(created) if created is not None else int(name.split("-")[1])
-
-    def _manifest(self, names: list[str]) -> FeatureManifest:
-        token_counts = Counter()
-        for name in names:
-            token_counts.update({int(k): v for k, v in self._summaries[name]["token_counts"].items()})
-        entries = [ShardEntry(name=n, rows=self._summaries[n]["rows"], tokens=self._summaries[n]["tokens"])
-                   for n in names]
-        tokens, size = sum(e.tokens for e in entries), sum(self._bytes[n] for n in names)
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return FeatureManifest(
-            target=self.config.target, target_weights_hash=self.fingerprint["target_weights_hash"],
-            target_hidden_size=self.hidden, target_vocab_size=self.target_config.vocab_size,
-            target_num_hidden_layers=self.target_config.num_hidden_layers, aux_layer_ids=self.aux_layer_ids,
-            dtype=DTYPE_NAMES[self.dtype], max_length=self.config.max_length, regenerate=False,
-            regeneration={"with": "serve"}, corpus=CORPUS,
-            rows=sum(e.rows for e in entries), tokens=tokens,
-            loss_tokens=sum(self._summaries[n]["loss_tokens"] for n in names),
-            bytes=size, bytes_per_token=size / max(tokens, 1), min_bytes_per_token=4 * self.hidden * element,
-            shards=entries, token_counts=dict(sorted(token_counts.items())),
-            feature_schema={f.name: str(f.type) for f in FEATURE_SCHEMA},
-            config={k: v for k, v in asdict(self.config).items()}, fingerprint=self.fingerprint,
-        )
 
     # ---- counters ------------------------------------------------------------------------------------------
 

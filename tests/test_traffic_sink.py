@@ -480,7 +480,7 @@ def test_sampling_redaction_size_cap_and_retention(tmp_path):
     now_ms = int(time.time() * 1000)
     old, new = f"shard-{now_ms - 90_000:013d}-w-0", f"shard-{now_ms - 1_000:013d}-w-1"
     aged = fake_sink(str(tmp_path / "aged"), max_age_s=60, start=False)
-    assert aged._expired([old, new]) == [old]
+    assert aged.shards.expired([old, new]) == [old]
 
 
 def test_retention_never_deletes_a_shard_a_manifest_lists_nor_one_a_training_read_started_on(tmp_path, monkeypatch):
@@ -489,7 +489,7 @@ def test_retention_never_deletes_a_shard_a_manifest_lists_nor_one_a_training_rea
     lands. Every shard any manifest has listed must still be in the store: a retired shard leaves only after the
     grace period and only when the manifest there no longer lists it (A's next refresh rewrites it). (b) A training
     run that read the manifest before the retirement reads all its shards within the grace period."""
-    import pipelines.traffic as traffic
+    import pipelines.traffic_retention as traffic_retention
     from pipelines.train.plan import scan_features
 
     url = str(tmp_path / "traffic")
@@ -500,7 +500,7 @@ def test_retention_never_deletes_a_shard_a_manifest_lists_nor_one_a_training_rea
     first = load_manifest(url)
     started = threading.Event()
     go = threading.Event()
-    real_write = traffic.write_manifest
+    real_write = traffic_retention.write_manifest
 
     def stalled_write(output, manifest):
         if threading.current_thread().name == "replica-b":
@@ -508,9 +508,9 @@ def test_retention_never_deletes_a_shard_a_manifest_lists_nor_one_a_training_rea
             assert go.wait(30)
         real_write(output, manifest)
 
-    monkeypatch.setattr(traffic, "write_manifest", stalled_write)
+    monkeypatch.setattr(traffic_retention, "write_manifest", stalled_write)
     time.sleep(0.002)
-    b_thread = threading.Thread(target=b._refresh_manifest, name="replica-b")  # lists the folder, then stalls
+    b_thread = threading.Thread(target=b.shards.refresh, name="replica-b")  # lists the folder, then stalls
     b_thread.start()
     assert started.wait(30)
     offer(a, 1)
@@ -524,10 +524,10 @@ def test_retention_never_deletes_a_shard_a_manifest_lists_nor_one_a_training_rea
     offer(a, 1)
     a.flush()
     for _ in range(2):  # the next refreshes: stale listings rewritten, then what nothing lists is removed
-        a._refresh_manifest()
+        a.shards.refresh()
         assert {s.name for s in load_manifest(url).shards} <= committed_shards(url)
     time.sleep(0.6)
-    a._refresh_manifest()
+    a.shards.refresh()
     assert committed_shards(url) == {s.name for s in load_manifest(url).shards} and len(committed_shards(url)) == 1
 
 
