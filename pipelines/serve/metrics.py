@@ -141,6 +141,10 @@ class ServeMetrics:
         for phase, seconds in (("draft", draft_s), ("verify", verify_s)):
             self.round_seconds.record(seconds, phase=phase)
             self.phase_seconds.record(seconds, phase=phase)
+        self.on_draft_rounds(accept_lengths)
+
+    def on_draft_rounds(self, accept_lengths: list[int]) -> None:
+        """Draft rounds' accept lengths (ours per batched round; vLLM's per finished request, its steps)."""
         for n in accept_lengths:
             self.draft_rounds.record(1)
             self.accepted_tokens.record(n)

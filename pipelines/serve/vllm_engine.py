@@ -99,6 +99,23 @@ class _SpecLogger:
         pass
 
 
+def _run_in_thread(fn) -> None:
+    """fn() on a new thread, waited for; its exception re-raised here."""
+    errors: list = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="vllm-engine-start")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
 async def _cancelled(task: asyncio.Task) -> None:
     task.cancel()
     with contextlib.suppress(BaseException):
@@ -188,9 +205,15 @@ class VllmServeEngine:
         ref = VllmDraftRef(folder, None)
         # no local name holds the engine: something in vLLM's start keeps this frame alive, and `_shutdown` drops
         # the engine through `ref` alone
-        with modules_vllm_can_scan():
-            ref.llm = AsyncLLM.from_engine_args(self._engine_args(folder),
-                                                stat_loggers=[lambda vllm_config, engine_index: _SpecLogger(self)])
+        def start() -> None:
+            with modules_vllm_can_scan():
+                ref.llm = AsyncLLM.from_engine_args(self._engine_args(folder),
+                                                    stat_loggers=[lambda vllm_config, engine_index: _SpecLogger(self)])
+
+        # Built on a thread with no event loop: AsyncLLM starts its output task on the loop running where it is
+        # built (a Serve replica's own, in __init__), and its requests would then wait on another loop's events.
+        # Without one, the task starts on this engine's loop at the first request.
+        _run_in_thread(start)
         with self.lock:
             self.refs.append(ref)
         return ref
@@ -372,4 +395,7 @@ class VllmServeEngine:
                              total_s=time.perf_counter() - started, finish_reason=reason,
                              modes={VLLM_MODE: len(accepted)} if accepted else {})
         by_mode = {VLLM_MODE: (len(accepted), sum(accepted))} if accepted else {}
+        if self.metrics is not None:
+            self.metrics.rounds.record(len(accepted), mode=VLLM_MODE)
+            self.metrics.on_draft_rounds(accepted)
         return Event("done", finish_reason=reason, stats=stats, token_ids=tokens, accept_by_mode=by_mode)
