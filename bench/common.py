@@ -41,9 +41,34 @@ def machine(threads: int | None = None) -> str:
 
     if torch.cuda.is_available():
         return f"GPU {torch.cuda.get_device_name(0)}"
-    line = f"{platform.machine()}, {os.cpu_count()} CPU cores"
+    line = f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPU cores ({cpu_flags()})"
     line += f", {threads} torch threads" if threads else ", no GPU"
     return line + f", OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpu_model() -> str:
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> str:
+    """The CPU's matrix-relevant flags: bf16 is native with avx512_bf16 / amx_bf16, emulated (slow) on AVX2 alone."""
+    flags = set()
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return " ".join(shown) or "no AVX2"
 
 
 def write_json(path, data, indent: int = 2) -> Path:

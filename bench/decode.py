@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, command, machine, shown_path, write_json, write_markdown
+from bench.decode_report import COST_WIDTHS, markdown
+from bench.vllm_runner import VLLM_EAGLE3, VLLM_PLAIN, VllmRunner, is_vllm, vllm_methods
 from pipelines.prompt_sets import PROMPT_SETS, prompt_set, target_answerer
 from eagle_core.autotune import autotune, draft_cases, target_forward_cases, timed
 from eagle_core.chat import prompt_ids
@@ -40,13 +42,14 @@ from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.policy import ModeChooser
 from eagle_core.shipped import shipped_draft
-from eagle_core.target import NAMED_TARGETS, SMOLLM2_NAME, cpu_has_native_bf16, load_target, resolve_dtype
+from eagle_core.target import (NAMED_TARGETS, SMOLLM2_NAME, cpu_has_native_bf16, load_target, materialize_hf_folder,
+                               resolve_dtype)
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "tree_context", "auto")
+METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "tree_context", "auto",
+           "vllm")  # "vllm": vLLM plain and vLLM + the draft at each --vllm-k (bench/vllm_runner.py)
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-COST_WIDTHS = (1, 2, 4, 8, 16, 32)
 COST_CONTEXT = 300  # cache length of the cost table (tokens)
 
 
@@ -79,8 +82,11 @@ class Runner:
         # the auto policy keeps what it measured across prompts, as a server does; the context mode where the tree has
         # a chain
         self.chooser = ModeChooser(available_modes(tree))
+        self.vllm = None  # bench.vllm_runner.VllmRunner of this dtype, for the vllm_* methods
 
     def run(self, method: str, ids: list[int], max_new_tokens: int) -> dict:
+        if is_vllm(method):
+            return self.vllm.run(method, ids, max_new_tokens, self.eos)
         t0 = time.perf_counter()
         if method.startswith("hf_"):
             x = torch.tensor([ids])
@@ -102,8 +108,8 @@ class Runner:
         seconds = time.perf_counter() - t0
         s = res.stats[0]
         return dict(tokens=res.tokens[0], seconds=seconds, rounds=s.rounds, accepted=sum(s.accept_lengths),
-                    draft_rounds=len(s.accept_lengths), prefill_s=s.prefill_s, draft_s=s.draft_s,
-                    verify_s=s.verify_s, modes=s.modes)
+                    draft_rounds=len(s.accept_lengths), accept_lengths=list(s.accept_lengths),
+                    prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s, modes=s.modes)
 
 
 def tokens_per_s(runs: list[dict]) -> float:
@@ -113,6 +119,12 @@ def tokens_per_s(runs: list[dict]) -> float:
 def speculative_tau(runs: list[dict]) -> float:
     """Tokens committed per speculative round over runs of a draft method (accepted draft tokens + the bonus)."""
     return 1.0 + sum(r["accepted"] for r in runs) / max(sum(r["draft_rounds"] for r in runs), 1)
+
+
+def acceptance_per_position(runs: list[dict], depth: int) -> list[float]:
+    """Per draft position d (1..depth): the fraction of draft rounds whose accept length reached d."""
+    lengths = [n for r in runs for n in r["accept_lengths"]]
+    return [sum(n >= d for n in lengths) / max(len(lengths), 1) for d in range(1, depth + 1)]
 
 
 def agreement(runs: list[dict], reference: list[dict]) -> float:
@@ -139,16 +151,21 @@ def summarize(label: str, runs: list[dict], reference: list[dict], target_bytes:
     out["agreement_with_hf_greedy"] = agreement(runs, reference)
     if runs[0]["rounds"] is not None:
         rounds = sum(r["rounds"] for r in runs)
-        out["tau"] = speculative_tau(runs) if method != "plain" else 1.0
+        speculative = method not in ("plain", VLLM_PLAIN)
+        out["tau"] = speculative_tau(runs) if speculative else 1.0
+        if speculative:
+            out["acceptance_per_position"] = acceptance_per_position(runs, depth)
         out["target_forwards"] = rounds + len(runs)  # rounds + one prefill per prompt
         draft_rounds = sum(r["draft_rounds"] for r in runs)
-        out["modes"] = {m: sum(r["modes"].get(m, 0) for r in runs) for m in ("tree", "context", "chain", "plain")}
+        out["modes"] = {m: sum(r["modes"].get(m, 0) for r in runs) for m in ("tree", "context", "chain", "plain", "vllm")}
+        moved = target_bytes * out["target_forwards"] + draft_step_bytes * (draft_rounds * depth + len(runs))
+        out["bandwidth_GBps"] = moved / seconds / 1e9
+        if runs[0]["draft_s"] is None:  # vLLM: no split of a step into draft and verify
+            return out
         out["draft_s"] = round(sum(r["draft_s"] for r in runs), 2)
         out["verify_s"] = round(sum(r["verify_s"] for r in runs), 2)
         other = seconds - sum(r["prefill_s"] + r["draft_s"] + r["verify_s"] for r in runs)
         out["overhead_ms_per_round"] = 1000 * other / max(rounds, 1)  # bookkeeping outside draft and verify
-        moved = target_bytes * out["target_forwards"] + draft_step_bytes * (draft_rounds * depth + len(runs))
-        out["bandwidth_GBps"] = moved / seconds / 1e9
     elif method == "hf_greedy":
         out["tau"] = 1.0
         out["bandwidth_GBps"] = target_bytes * tokens / seconds / 1e9  # one forward per token (prefill = 1st)
@@ -174,115 +191,6 @@ def by_category(runs: dict[str, list[dict]], categories: list[str]) -> dict[str,
     return table
 
 
-def category_markdown(table: dict[str, dict[str, dict]]) -> list[str]:
-    first = next(iter(table.values()))
-    # HF prompt lookup beside ours: the peer that needs no draft, per category (tau n/a: HF does not report it)
-    labels = [label for label in first if label.split()[0] in ("hf_prompt_lookup", "tree", "tree_context", "auto")]
-    if not labels or "hf_greedy fp32" not in first:
-        return []
-    lines = ["Per category (speed-up over HF greedy fp32 on the same prompts):", "",
-             "| category | prompts | " + " | ".join(f"tau {m} | speed-up {m}" for m in labels) + " |",
-             "|---|---:|" + "---:|---:|" * len(labels)]
-    for category, row in table.items():
-        cells = " | ".join((f"{row[m]['tau']:.2f}" if "tau" in row[m] else "n/a")
-                           + f" | {row[m]['speedup_vs_hf_greedy']:.2f}x" for m in labels)
-        lines.append(f"| {category} | {row[labels[0]]['prompts']} | {cells} |")
-    return lines + [""]
-
-
-def cost_markdown(costs: dict) -> list[str]:
-    lines = ["Costs (ms, median; context of {} tokens): a forward of N new tokens, bare transformers vs our "
-             "verification (tree mask, aux capture, logits of every node).".format(costs["context_tokens"]), "",
-             "| dtype | forward | " + " | ".join(f"{w} tok" for w in COST_WIDTHS) + " | our plain step | "
-             "draft level (top-k {}) |".format(costs["top_k"]),
-             "|---|---|" + "---:|" * (len(COST_WIDTHS) + 2)]
-    for tag, c in costs["by_dtype"].items():
-        for name, key in (("transformers", "bare_ms"), ("ours (verify)", "verify_ms")):
-            cells = " | ".join(f"{c[key][str(w)]:.1f}" for w in COST_WIDTHS)
-            extra = f" | {c['plain_step_ms']:.1f} | {c['draft_level_ms']:.1f}" if key == "verify_ms" else " | | "
-            lines.append(f"| {tag} | {name} | {cells}{extra} |")
-    lines.append("")
-    for tag, c in costs["by_dtype"].items():
-        step, widest = c["plain_step_ms"], max(w for w in COST_WIDTHS if w <= 16)
-        lines.append(f"- {tag}: our {widest}-token verify costs {c['verify_ms'][str(widest)] / step:.2f}x our plain "
-                     f"step; our plain step costs {step / c['bare_ms']['1']:.2f}x transformers' 1-token forward.")
-    return lines + ["", "All of one dtype's costs are timed interleaved, call by call in rotating order, so their "
-                    "ratios hold while the machine's speed drifts.", ""]
-
-
-CURVE_SHAPES = ("1/4", "2/8", "3/16", "4/16", "6/32")  # depth/nodes: the auto-tuned sizes and the larger ones
-
-
-def tau_curve(tuned: dict) -> list[dict]:
-    """Speed-up over our plain loop as a function of tau, from an auto-tune's measured costs: a round of shape
-    depth/nodes costs (draft time at that depth + a forward of nodes + 1 tokens; with path logits the head's
-    share is tau one-row heads) = a + b * tau one-token forwards, so speed-up(tau) = tau / (a + b * tau); per
-    shape: the cost at this draft's tau (calibration), its speed-up and the tau that 1.3x and 2x would take."""
-    from eagle_core.autotune import round_ms
-
-    def ints(d):
-        return {int(k): v for k, v in d.items()}
-
-    forward, draft = ints(tuned["forward_ms_monotone"]), ints(tuned["draft_ms"])
-    head = ints(tuned.get("head_ms") or {})  # absent from runs recorded before path logits (head on every node)
-    path = bool(tuned.get("path_logits"))
-    rows = []
-    for shape in CURVE_SHAPES:
-        depth, size = map(int, shape.split("/"))
-        if shape not in tuned["tau"] or depth not in draft:
-            continue
-        a = round_ms(forward, head, draft, depth, size, 0.0, path) / forward[1]
-        b = round_ms(forward, head, draft, depth, size, 1.0, path) / forward[1] - a
-        tau = tuned["tau"][shape]
-        needed = {x: x * a / (1 - x * b) if x * b < 1 else float("inf") for x in (1.3, 2.0)}
-        rows.append(dict(shape=shape, round_cost=a + b * tau, tau=tau, speedup=tau / (a + b * tau),
-                         tau_for_1_3x=needed[1.3], tau_for_2x=needed[2.0], path_logits=path))
-    return rows
-
-
-def curve_markdown(autotune: dict) -> list[str]:
-    lines = ["Speed-up against tau, from the auto-tune's measured costs (round cost in one-token forwards of the "
-             "target; speed-up = tau / round cost; tau of this draft from the auto-tune's calibration run):", "",
-             "| dtype | tree depth/nodes | head | round cost | tau of this draft | speed-up | tau for 1.3x | tau for 2x |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
-    for tag, tuned in autotune.items():
-        for r in tau_curve(tuned):
-            head = "path" if r["path_logits"] else "all nodes"
-            lines.append(f"| {tag} | {r['shape']} | {head} | {r['round_cost']:.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
-                         f"{r['tau_for_1_3x']:.2f} | {r['tau_for_2x']:.2f} |")
-    return lines + [""]
-
-
-def markdown(summary: list[dict], meta: dict, categories: dict | None = None, costs: dict | None = None,
-             autotune: dict | None = None) -> str:
-    lines = [f"# Decoding benchmark: {meta['target']} on {meta['machine']}", "",
-             f"`{meta['command']}`", "",
-             f"{meta.get('date', '')}", "",
-             f"{meta['prompts']} prompts of the set `{meta.get('prompt_set', 'mtbench')}` (pipelines/prompt_sets.py; chat "
-             f"template), greedy, max_new_tokens {meta['max_new_tokens']}, batch 1, methods interleaved per prompt. Draft: {meta['draft']}. "
-             f"Trees (auto-tuned per dtype): {meta['trees']}, chain: {meta['chain']}. {meta['note']}.", "",
-             "| method | tau | tokens/s | vs HF greedy fp32 | vs our plain (same dtype) | GB/s | "
-             "identical to HF greedy (same dtype) | agreement | rounds tree/context/chain/plain |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for s in summary:
-        tau = f"{s['tau']:.2f}" if "tau" in s else "n/a"
-        bw = f"{s['bandwidth_GBps']:.2f}" if "bandwidth_GBps" in s else "n/a"
-        ratio = lambda x: f"{x:.2f}x" if x is not None else "n/a"  # noqa: E731
-        modes = "/".join(str(s["modes"].get(m, 0)) for m in ("tree", "context", "chain", "plain")) if "modes" in s else ""
-        lines.append(f"| {s['method']} | {tau} | {s['tokens_per_s']:.2f} | {ratio(s['speedup_vs_hf_greedy'])} | "
-                     f"{ratio(s['speedup_vs_plain'])} | {bw} | {s['identical_to_hf_greedy']} | "
-                     f"{s['agreement_with_hf_greedy']:.3f} | {modes} |")
-    lines += ["", "tau = tokens committed per speculative round (accepted draft tokens + the bonus token). GB/s = "
-              "weights read per second (target weights per target forward + draft weights per draft step; "
-              "n/a where HF does not expose its forward count). Agreement = matching prefix with HF greedy of the "
-              "same dtype over its length; bf16 cannot be bit-identical (a batched forward rounds differently, "
-              "so near-ties flip).", ""]
-    lines += category_markdown(categories) if categories else []
-    lines += cost_markdown(costs) if costs else []
-    lines += curve_markdown(autotune) if autotune else []
-    return "\n".join(lines)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=SMOLLM2_NAME,
@@ -296,6 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--dtypes", default="float32,bfloat16" if cpu_has_native_bf16() else "float32",
                    help="comma-separated dtypes to run every method in")
+    p.add_argument("--vllm-k", default="3,5",
+                   help="draft tokens per step of the vllm_eagle3_k<K> methods (one method per K; with --methods vllm)")
     p.add_argument("--chain-depth", type=int, default=4, help="draft tokens per round of the chain method")
     p.add_argument("--top-k", type=int, default=TreeConfig.top_k, help="tree: children expanded per node")
     p.add_argument("--depth", type=int, default=TreeConfig.depth, help="tree: the deepest level the auto-tune tries")
@@ -394,8 +304,14 @@ def summaries(runs: dict[str, list], variants: dict) -> list[dict]:
         reference = runs.get(f"hf_greedy {tag}") or runs.get(f"plain {tag}") or runs[label]
         depth = {"chain": runner.chain.depth, "tree": runner.tree.depth, "tree_other_head": runner.tree.depth,
                  "tree_context": runner.tree.depth, "auto": runner.tree.depth}.get(method, 0)
+        if method.startswith(VLLM_EAGLE3):
+            depth = int(method[len(VLLM_EAGLE3):])
         summary.append(summarize(label, runs[label], reference, param_bytes(runner.model),
                                  draft_step_bytes(runner.draft), depth))
+        vllm_plain = runs.get(f"{VLLM_PLAIN} {tag}")
+        if vllm_plain is not None:  # which outputs equal which: vLLM's own greedy too
+            same = sum(r["tokens"] == ref["tokens"] for r, ref in zip(runs[label], vllm_plain))
+            summary[-1]["identical_to_vllm_plain"] = f"{same}/{len(vllm_plain)}"
     base = {s["method"]: s["tokens_per_s"] for s in summary}
     for s in summary:
         plain = base.get(f"plain {s['method'].split()[1]}")
@@ -419,29 +335,40 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m for m in args.methods.split(",") if m]
+    if "vllm" in methods:  # vLLM plain and vLLM + our draft at each --vllm-k
+        at = methods.index("vllm")
+        methods[at:at + 1] = vllm_methods([int(k) for k in args.vllm_k.split(",") if k])
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtypes.split(",") if d]
     draft_path = args.draft or str(shipped_draft(args.target))
     chain = TreeConfig.chain(args.chain_depth)
     variants, tuned, costs, runners, prompts = {}, {}, {}, {}, None
-    for dtype in dtypes:
-        model, tokenizer, draft, eos = load_models(args.target, draft_path, dtype)
-        if prompts is None:  # the same tokenizer in every dtype
-            # Second turns follow the target's own greedy answer, in the first dtype measured (float32 by default).
-            items, calib_items = prompt_set(args.prompts, tokenizer, args.num_prompts, args.autotune_prompts,
-                                            answer=target_answerer(model, tokenizer, args.max_new_tokens))
-            prompts = [prompt_ids(tokenizer, item["messages"]) for item in items]
-            calib = [prompt_ids(tokenizer, item["messages"]) for item in calib_items]
-        tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)
-        runner = runners[SHORT[dtype]] = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
-        if tuned[SHORT[dtype]] is not None:  # the auto policy starts from what the auto-tune measured
-            tuned[SHORT[dtype]].prime(runner.chooser)
-        for m in methods:  # warm-up: first-call costs stay out of the measurement
-            runner.run(m, calib[0][:64], 4)
-            variants[f"{m} {SHORT[dtype]}"] = (runner, m)
-        if args.costs:
-            costs[SHORT[dtype]] = measure_costs(model, draft, args.top_k)
-    t_start = time.perf_counter()
-    runs = measure(variants, prompts, args.max_new_tokens)
+    try:
+        for dtype in dtypes:
+            model, tokenizer, draft, eos = load_models(args.target, draft_path, dtype)
+            if prompts is None:  # the same tokenizer in every dtype
+                # Second turns follow the target's own greedy answer, in the first dtype measured (float32 by default).
+                items, calib_items = prompt_set(args.prompts, tokenizer, args.num_prompts, args.autotune_prompts,
+                                                answer=target_answerer(model, tokenizer, args.max_new_tokens))
+                prompts = [prompt_ids(tokenizer, item["messages"]) for item in items]
+                calib = [prompt_ids(tokenizer, item["messages"]) for item in calib_items]
+            tree, tuned[SHORT[dtype]] = choose_tree(args, model, draft, eos, prompts, calib)
+            runner = runners[SHORT[dtype]] = Runner(model, draft, eos, chain, tree, args.lookup_tokens)
+            if any(is_vllm(m) for m in methods):
+                runner.vllm = VllmRunner(str(materialize_hf_folder(args.target)), draft_path, dtype,
+                                         [m for m in methods if is_vllm(m)])
+            if tuned[SHORT[dtype]] is not None:  # the auto policy starts from what the auto-tune measured
+                tuned[SHORT[dtype]].prime(runner.chooser)
+            for m in methods:  # warm-up: first-call costs stay out of the measurement
+                runner.run(m, calib[0][:64], 4)
+                variants[f"{m} {SHORT[dtype]}"] = (runner, m)
+            if args.costs:
+                costs[SHORT[dtype]] = measure_costs(model, draft, args.top_k)
+        t_start = time.perf_counter()
+        runs = measure(variants, prompts, args.max_new_tokens)
+    finally:  # vLLM's engines end with the run, whatever happens
+        for runner in runners.values():
+            if runner.vllm is not None:
+                runner.vllm.close()
     wall = round(time.perf_counter() - t_start)
     summary = summaries(runs, variants)
     trees = {tag: str(r.tree) for tag, r in runners.items()}

@@ -180,11 +180,11 @@ class VllmServeEngine:
         cpu = not torch.cuda.is_available()
         kwargs = dict(model=self.target_folder, tokenizer=self.target_folder, dtype=self.dtype, seed=self.seed,
                       max_model_len=self.max_model_len, generation_config="vllm", enforce_eager=cpu,
-                      max_num_seqs=self.config.max_batch_size, disable_log_stats=True,
-                      per_request_spec_decode_metrics="detailed")
-        if draft_folder is not None:
+                      max_num_seqs=self.config.max_batch_size, disable_log_stats=True)
+        if draft_folder is not None:  # (vLLM refuses per-request metrics without a speculator)
             k = self.k or default_speculative_tokens(draft_folder)
             kwargs["speculative_config"] = speculative_config(draft_folder, k)
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
         if cpu:
             gib = float(os.environ.get("EAGLE3_VLLM_KV_CACHE_GIB", CPU_KV_CACHE_GIB))
             kwargs["kv_cache_memory_bytes"] = int(gib * (1 << 30))
