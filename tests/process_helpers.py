@@ -53,3 +53,17 @@ def wait_until(check, what: str, timeout: float = 120.0) -> None:
     while not check():
         assert time.time() < deadline, f"{what} did not come up in {timeout:.0f} s"
         time.sleep(1)
+
+
+def vllm_children() -> set[int]:
+    """This process's descendants that are vLLM's (its engine cores and workers name themselves VLLM::...)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "VLLM" in " ".join(proc.cmdline() or [proc.name()]):
+                found.add(proc.pid)
+        except psutil.Error:  # ended (or a zombie) since the listing
+            continue
+    return found

@@ -24,6 +24,7 @@ import torch
 from eagle_core.chat import prompt_ids
 from eagle_core.features import featurize, generate_replies, tokenize_for_training
 from pipelines.engines import EngineConfig, EngineError, check_engine, make_engine
+from process_helpers import vllm_children
 
 REPO = Path(__file__).resolve().parents[1]
 FP32_REL = 1e-3  # issue 52: per position, max |vllm - hf| / max |hf|
@@ -46,18 +47,6 @@ def conversations() -> list[dict]:
                 {"role": "user", "content": "And why?"}, {"role": "assistant", "content": "Because " * (i + 1)}]
         out.append({"id": f"c{i}", "messages": messages})
     return out
-
-
-def vllm_children() -> set[int]:
-    """This process's descendants that are vLLM's (its engine cores and workers name themselves VLLM::...)."""
-    found = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "VLLM" in " ".join(proc.cmdline() or [proc.name()]):
-                found.add(proc.pid)
-        except psutil.Error:  # ended (or a zombie) since the listing
-            continue
-    return found
 
 
 def gone(pid: int) -> bool:

@@ -118,6 +118,33 @@ def modules_vllm_can_scan():
         sys.modules.update(hidden)
 
 
+def other_in_process_engine(owner) -> bool:
+    """Whether another live engine of this module runs its engine core in this process (one such per process:
+    vLLM keeps its KV connector in process-wide state)."""
+    return any(getattr(e, "in_process", False) for e in list(_live)
+               if e is not owner and getattr(e, "llm", None) is not None)
+
+
+def start_llm(owner, kwargs: dict):
+    """`vllm.LLM(**kwargs)` for `owner` (an engine of this module with `close()`), which is closed at interpreter exit
+    and on SIGTERM from now on, and at once if the start fails."""
+    install_shutdown()
+    _live.add(owner)
+    try:
+        from vllm import LLM
+
+        with modules_vllm_can_scan():
+            return LLM(**kwargs)
+    except BaseException:
+        owner.close()
+        raise
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The KV cache an engine gets on the CPU backend (CPU_KV_CACHE_GIB, or EAGLE3_VLLM_KV_CACHE_GIB)."""
+    return int(float(os.environ.get("EAGLE3_VLLM_KV_CACHE_GIB", CPU_KV_CACHE_GIB)) * (1 << 30))
+
+
 def supported_architectures() -> set[str]:
     from vllm.model_executor.models import ModelRegistry
 
@@ -219,13 +246,10 @@ class VllmEngine(TargetEngine):
         self._hidden = tempfile.mkdtemp(prefix="eagle3-vllm-hidden-")
         parallel = config.tensor_parallel_size * config.pipeline_parallel_size
         # One engine core at a time can live in a process: vLLM keeps its KV connector in process-wide state.
-        others = any(e.in_process for e in list(_live) if e is not self and getattr(e, "llm", None) is not None)
         self.in_process = (not config.engine_core_process if config.engine_core_process is not None
-                           else parallel == 1 and not others)
+                           else parallel == 1 and not other_in_process_engine(self))
         # the engine core in this process: no child process to outlive it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        from vllm import LLM
-
         kwargs = dict(
             model=str(self.folder), tokenizer=str(self.folder), dtype=str(self.dtype).removeprefix("torch."),
             seed=config.seed, max_model_len=config.max_length, generation_config="vllm",
@@ -242,20 +266,12 @@ class VllmEngine(TargetEngine):
                                                               "num_writer_threads": 2}},
         )
         if device == "cpu":
-            gib = float(os.environ.get("EAGLE3_VLLM_KV_CACHE_GIB", CPU_KV_CACHE_GIB))
-            kwargs["kv_cache_memory_bytes"] = int(gib * (1 << 30))
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes()
         kwargs.update(engine_kwargs)
-        install_shutdown()
-        _live.add(self)
         self.llm = self._sampler = None
         self._sampler_kwargs = {k: v for k, v in kwargs.items() if k not in ("speculative_config", "kv_transfer_config",
                                                                            "enable_chunked_prefill")}
-        try:
-            with modules_vllm_can_scan():
-                self.llm = LLM(**kwargs)
-        except BaseException:
-            self.close()
-            raise
+        self.llm = start_llm(self, kwargs)
 
     def _engine_for(self, temperature: float):
         """The engine that regenerates at `temperature` (see the module's docstring)."""
@@ -371,3 +387,38 @@ class VllmEngine(TargetEngine):
         if getattr(self, "_hidden", None):
             shutil.rmtree(self._hidden, ignore_errors=True)
             self._hidden = None
+
+
+class OfflineLLM:
+    """A bare `vllm.LLM` on a target folder, with this module's settings: `generation_config="vllm"`, eager and a
+    1 GiB KV cache on a CPU, the engine core in this process when tensor x pipeline parallel is 1 and no other
+    in-process engine lives here (else in a child process), closed in `close()` / `with`, at exit and on SIGTERM.
+    `engine_kwargs` go to `vllm.LLM` (a `speculative_config`, `disable_log_stats=False` for `get_metrics()`, ...).
+    Used where a stage decodes in vLLM itself rather than asking it for features (the serving-engine gate,
+    `pipelines.serving_gate`)."""
+
+    def __init__(self, folder, *, dtype: str, max_model_len: int, seed: int = 0, **engine_kwargs):
+        parallel = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
+        self.in_process = parallel == 1 and not other_in_process_engine(self)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        cpu = not torch.cuda.is_available()
+        kwargs = dict(model=str(folder), tokenizer=str(folder), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      generation_config="vllm", enforce_eager=cpu)
+        if cpu:
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes()
+        kwargs.update(engine_kwargs)
+        self.llm = None
+        self.llm = start_llm(self, kwargs)
+
+    def close(self) -> None:
+        _live.discard(self)
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# A registered version's mean acceptance length in vLLM at its k (the serving-engine evaluation): what a vLLM
+# replica's drift rule compares its window with, as our decoder's compares with the version's tree `tau`.
+ACCEPTANCE_TAG = "eagle3.vllm_acceptance_length"
+
+
 def speculative_config(draft_folder: str, num_speculative_tokens: int) -> dict:
     """vLLM's `speculative_config` for an exported draft folder (our `save_draft` layout, which vLLM reads)."""
     if num_speculative_tokens < 1:
@@ -75,3 +80,30 @@ def counts_from_metrics(metrics) -> SpecCounts:
         elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             counts.accepted_per_pos = [int(v) for v in metric.values]
     return counts
+
+
+def greedy_acceptance(llm, prompts: list[list[int]], max_new_tokens: int,
+                      eos_token_id: int | None) -> tuple[SpecCounts, list[list[int]]]:
+    """Greedy decoding of token-id prompts on an offline `vllm.LLM` started with `disable_log_stats=False` (its
+    `get_metrics()` holds the counters): the spec-decode counts these requests added, and each prompt's new tokens
+    (the EOS that ended one included, as in `eagle_core.generate`)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = counts_from_metrics(llm.get_metrics())
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=[eos_token_id] if eos_token_id is not None else None)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return counts_from_metrics(llm.get_metrics()).since(before), [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def acceptance_in_vllm(target_folder, draft_folder, prompts: list[list[int]], k: int, max_new_tokens: int,
+                       eos_token_id: int | None, dtype: str, seed: int = 0) -> tuple[SpecCounts, list[list[int]]]:
+    """Start vLLM on the target (an HF folder) with `draft_folder` as its EAGLE-3 speculator drafting `k` tokens,
+    decode `prompts` greedily (`greedy_acceptance`), close it. A draft vLLM refuses to load raises here."""
+    from pipelines.engines.vllm import OfflineLLM
+
+    length = max(map(len, prompts)) + max_new_tokens + k + 8  # room for the last round's drafted tokens
+    with OfflineLLM(target_folder, dtype=dtype, max_model_len=length, seed=seed, disable_log_stats=False,
+                    speculative_config=speculative_config(draft_folder, k)) as engine:
+        return greedy_acceptance(engine.llm, prompts, max_new_tokens, eos_token_id)
