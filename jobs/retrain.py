@@ -18,6 +18,11 @@ its tau on that held-out traffic beats the champion's by --margin and its tau on
 --base-margin below the champion's; --eval-prompts must then be a fixed set with MT-bench prompts (all, mixed,
 mtbench, mtbench-turn2), never sink data alone.
 
+Where vLLM is installed, the evaluation also decodes its prompts with candidate and champion in vLLM (the
+serving-engine gate, --serving-gate, pipelines/serving_gate.py): a candidate whose acceptance length there falls
+below 0.9x our decoder's chain of the same depth, or whose export is not the draft as trained, stays `candidate`
+whatever its tau, and the message names the likely cause.
+
 The recipe in force (--recipe, else the target's: eagle_core/recipes/) fills the extraction's max length and aux
 layers and the training's draft vocabulary, TTT steps, tokens per step and schedule wherever --extract / --train do
 not set them; a warm-started candidate's lr is --warm-start-lr, a candidate from scratch takes the recipe's.
@@ -31,6 +36,7 @@ import sys
 
 from pipelines.cli import add_recipe_option, comma_separated
 from pipelines.retrain import RetrainConfig, run_retrain
+from pipelines.serving_gate import GATE_MODES
 
 
 parse_scales = comma_separated(float, "numbers", lambda scales: None if scales and all(x > 0 for x in scales)
@@ -84,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-timeout-s", type=float, default=d.eval_timeout_s,
                    help="the champion's re-evaluation under the promotion lock is cancelled after this long "
                         "(the decision then fails, nothing changed)")
+    p.add_argument("--serving-gate", choices=GATE_MODES, default=d.serving_gate,
+                   help="the serving-engine gate: decode the evaluation's prompts with each draft in vLLM too; a "
+                   "candidate whose acceptance length there is below 0.9x our decoder's chain of the same depth, "
+                   "or whose export differs from its checkpoint, is never promoted. auto: where vLLM is installed "
+                   "and loads the target (else a loud warning that it was skipped); vllm: measure or fail; off")
+    p.add_argument("--serving-gate-k", type=int, default=d.serving_gate_k, metavar="K",
+                   help="the depth the gate measures at (default: each draft's TTT depth; a candidate's is the "
+                   "recipe's ttt_steps)")
     p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="initialise from the current champion when compatible (else from scratch)")
     p.add_argument("--warm-start-lr", type=float, default=d.warm_start_lr,

@@ -13,7 +13,9 @@ unless those flags are given. --dry-run prints the plan and checks that target a
 Connects to the cluster `ray job submit` gives it, else starts an embedded local one. Checkpoints go to
 <output>/ray; rerun with --resume to continue a stopped run where its last checkpoint left it. The final
 draft lands in <output>/draft (vLLM/SGLang layout) and <output>/draft-speculators, is logged to MLflow and
-registered as a new version of --registered-model-name with alias `candidate`.
+registered as a new version of --registered-model-name with alias `candidate`. Before that, where vLLM is installed,
+the serving-engine gate decodes a few MT-bench prompts with the exported draft in vLLM and with the checkpoint's in
+our decoder (--serving-gate): an export whose acceptance in vLLM falls below 0.9x ours does not finish.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 
 from jobs.extract import add_extraction_options, add_plan_options, resolve_job_recipe, target_shape
 from pipelines.cli import defer_to_recipe, fill_from_recipe
+from pipelines.serving_gate import GATE_MODES
 from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train
 from pipelines.train.config import parse_pack_length
 
@@ -106,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mlflow-experiment", default=d.mlflow_experiment, help="MLflow experiment ('' = no tracking)")
     m.add_argument("--registered-model-name", default=d.registered_model_name,
                    help="MLflow registered model for the draft ('' = do not register)")
+
+    g = p.add_argument_group("serving-engine gate (pipelines/serving_gate.py, docs/training.md)")
+    g.add_argument("--serving-gate", choices=GATE_MODES, default="auto",
+                   help="measure the exported draft's acceptance length in vLLM against our decoder's chain of the "
+                   "same depth on the same prompts; below 0.9x, or an export that differs from the checkpoint, "
+                   "the export does not finish. auto: where vLLM is installed and loads the target (else a loud "
+                   "warning that it was skipped); vllm: measure or fail; off: skip")
+    g.add_argument("--serving-gate-k", type=int, default=None, metavar="K",
+                   help="the depth the gate measures at (default: the draft's TTT depth, --ttt-steps)")
 
     s = p.add_argument_group("streaming (with --corpus: the extraction options of jobs/extract.py)")
     add_extraction_options(s, e)

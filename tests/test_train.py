@@ -188,7 +188,8 @@ def test_a_killed_run_resumes_and_a_killed_worker_restarts_to_the_clean_result(f
     argv = ["--features", features, "--output", str(output), "--resume", "--epochs", "2", "--lr", "3e-3",
             "--warmup-steps", "2", "--tokens-per-batch", "160", "--ttt-steps", "3", "--draft-vocab-size", "256",
             "--eval-fraction", "0.2", "--checkpoint-every", "3", "--cpus-per-worker", "0.5",
-            "--mlflow-experiment", "test-train", "--registered-model-name", "test-draft"]
+            "--mlflow-experiment", "test-train", "--registered-model-name", "test-draft",
+            "--serving-gate", "off"]  # vLLM cannot load the tiny target (head size 16)
     assert main(argv) == 0
     resumed = json.loads(read_bytes(f"{output}/summary.json"))
     assert resumed["restored_from"] == [3, 6] and resumed["checkpoint"].startswith(output)

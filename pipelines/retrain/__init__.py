@@ -3,7 +3,8 @@
 - `job` (`run_retrain`, `RetrainConfig`): the scales, each one's extraction and training, the promotion decision,
   MLflow's parent and child runs.
 - `evaluate` (`evaluate_draft`, `evaluate_on_worker`): candidate and champion decoded on held-out prompts on the
-  target, in a Ray task.
+  target, in a Ray task; with the serving-engine gate (`serving_gates`, `pipelines/serving_gate.py`) also in vLLM,
+  which `job.promote` obeys.
 - `traffic`: retraining from served traffic (`RetrainConfig.traffic`): the mix, the held-out slice, the rule.
 
 `from pipelines.retrain import ...` gives the names the module `pipelines/retrain.py` gave before it became this

@@ -2,6 +2,11 @@
 and the speed-ups a user gets), several on one target load in a Ray task (`evaluate_on_worker`, on a GPU node where
 the cluster has GPUs), which reports progress to the promotion lease when it runs under it. `pipelines.retrain.job`
 compares what they return; with traffic, the held-out traffic's tau comes with it (`pipelines.retrain.traffic`).
+
+With the serving-engine gate on (`RetrainConfig.serving_gate`, `pipelines.serving_gate`), each draft is also decoded
+on the same prompts in vLLM, as vLLM's EAGLE-3 speculator at depth k, and by our decoder as a chain of that depth
+(the draft as trained: the training checkpoint's folder where one is named in `references`); the result's
+`serving_gate` holds both and the verdict, which promotion obeys.
 """
 
 from __future__ import annotations
@@ -90,10 +95,12 @@ def evaluate_draft(target, tokenizer, draft, prompts: list[dict], config: Retrai
             "prompts": len(prompts)}
 
 
-def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, beacon=None) -> dict:
+def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, beacon=None,
+                     references: dict | None = None) -> dict:
     """{name: evaluate_draft(...)} for drafts named by registry URIs, sharing one target load and one prompt set
     (one machine, the same prompts: the comparison is fair). The prompts are built here, beside the target: second
-    turns follow its own answers, and long contexts are measured with its tokenizer."""
+    turns follow its own answers, and long contexts are measured with its tokenizer. With the serving gate on, each
+    result also holds `serving_gate` (`serving_gates`; `references`: {name: the draft's training checkpoint folder})."""
     from eagle_core.checkpoint import load_draft
     from eagle_core.target import default_device, load_target
     from pipelines.cluster import use_assigned_cpus
@@ -113,16 +120,75 @@ def _evaluate_drafts(config: RetrainConfig, sources: dict, tracking_uri: str, be
     traffic = traffic_prompts(config.traffic, config.traffic_eval_fraction, config.eval_count) if config.traffic \
         else None  # with traffic: its held-out slice too, as result[TRAFFIC_SET]
     tick()
-    results = {}
+    results, folders = {}, {}
     for name, source in sources.items():
-        draft = load_draft(resolve_source(source), target=target)
+        folders[name] = resolve_source(source)
+        draft = load_draft(folders[name], target=target)
         results[name] = evaluate_draft(target, tokenizer, draft, prompts, config, on_progress=tick)
         results[name]["dtype"] = DTYPE_NAMES[target.dtype]  # tau depends on it (TAU_DTYPE_TAG)
         if traffic:
             results[name][TRAFFIC_SET] = {"tau": traffic_tau(target, tokenizer, draft, traffic, config),
                                           "prompts": len(traffic)}
             tick()
+    if config.serving_gate != "off":
+        gates = serving_gates(config, target, tokenizer, prompts, folders, references or {}, on_progress=tick)
+        for name, gate in gates.items():
+            results[name]["serving_gate"] = gate.to_dict()
     return results
+
+
+def serving_gates(config: RetrainConfig, target, tokenizer, prompts: list[dict], folders: dict, references: dict,
+                  on_progress=None) -> dict:
+    """{name: GateResult} of the serving-engine gate for the drafts in `folders` (local folders of the registry's
+    versions) on the evaluation's prompts: our decoder's chain of depth k first (of the draft as trained:
+    `references[name]`, a training checkpoint's draft folder, where it exists), then the target is released and
+    each draft runs in vLLM. Skipped (said in each result) where vLLM is not installed or cannot load the target."""
+    from eagle_core.chat import prompt_ids
+    from eagle_core.checkpoint import load_draft
+    from eagle_core.target import materialize_hf_folder
+    from pipelines.feature_files import DTYPE_NAMES
+    from pipelines.serving_gate import (GateResult, ServingGateUnavailable, chain_tau, check_gate_mode, gate_k,
+                                        measure, release, target_refusal)
+    from pipelines.storage import exists
+
+    skipped = check_gate_mode(config.serving_gate)
+    if skipped is None:
+        folder = materialize_hf_folder(config.target)
+        refusal = target_refusal(folder)
+        if refusal and config.serving_gate == "vllm":
+            raise ServingGateUnavailable(f"--serving-gate vllm: {refusal}")
+        skipped = refusal and f"vLLM cannot load the target: {refusal}"
+    if skipped:
+        return {name: GateResult(draft=name, skipped=skipped) for name in folders}
+    ids = [item["ids"] if "ids" in item else prompt_ids(tokenizer, item["messages"]) for item in prompts]
+    ours = {}
+    for name, export in folders.items():
+        reference = references.get(name)
+        if reference is not None and not exists(reference):
+            print(f"[retrain] serving gate: {name}'s training checkpoint {reference} is gone; our decoder measures "
+                  "the registered draft itself", flush=True)
+            reference = None
+        if reference is not None:
+            from eagle_core.target import local_folder
+
+            reference = local_folder(reference)
+        k = gate_k(reference or export, config.serving_gate_k)
+        draft = load_draft(reference or export, target=target).eval()
+        tau = chain_tau(target, draft, ids, k, config.eval_max_new_tokens, tokenizer.eos_token_id)
+        ours[name] = (reference, k, tau)
+        del draft
+        if on_progress is not None:
+            on_progress()
+    dtype, target_config, eos = DTYPE_NAMES[target.dtype], target.config, tokenizer.eos_token_id
+    release(target)  # vLLM sizes its cache from the memory left (a GPU)
+    gates = {}
+    for name, export in folders.items():
+        reference, k, tau = ours[name]
+        gates[name] = measure(folder, export, ids, k, config.eval_max_new_tokens, eos, dtype, tau, name=name,
+                              reference_folder=reference, target_config=target_config)
+        if on_progress is not None:
+            on_progress()
+    return gates
 
 
 class ProgressBeacon:
@@ -143,12 +209,13 @@ class EvaluationTimeout(PromotionConflict):
 
 
 def evaluate_on_worker(config: RetrainConfig, sources: dict, lease: PromotionLease | None = None,
-                       timeout_s: float | None = None) -> dict:
+                       timeout_s: float | None = None, references: dict | None = None) -> dict:
     """`_evaluate_drafts` as a Ray task with the target's resources (on a GPU node where the cluster has GPUs).
 
     With `lease` (an evaluation under the promotion lock) the task ticks a beacon actor after the target's load
     and after each prompt; each tick seen here is `lease.progress()`, so the lease outlives a slow evaluation
-    but not a stalled one. With `timeout_s` the task is cancelled past it and EvaluationTimeout raised."""
+    but not a stalled one. With `timeout_s` the task is cancelled past it and EvaluationTimeout raised.
+    `references`: {name: training checkpoint folder} for the serving gate (`_evaluate_drafts`)."""
     import ray
 
     from pipelines import tracking
@@ -158,7 +225,7 @@ def evaluate_on_worker(config: RetrainConfig, sources: dict, lease: PromotionLea
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     task = ray.remote(num_cpus=config.eval_cpus, num_gpus=gpus)(_evaluate_drafts)
     beacon = ray.remote(num_cpus=0)(ProgressBeacon).remote() if lease is not None else None
-    ref = task.remote(config, sources, tracking.tracking_uri(), beacon)
+    ref = task.remote(config, sources, tracking.tracking_uri(), beacon, *([references] if references else []))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     poll = 5.0 if lease is None else max(0.1, min(5.0, lease.ttl_s / 6))
     seen = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from eagle_core.tree import TreeConfig
 from pipelines.registry import (CANDIDATE, CHAMPION, TAU_DTYPE_TAG, PromotionConflict,  # noqa: F401 (re-exported)
@@ -66,6 +66,13 @@ class RetrainConfig:
     # without any, so a hung evaluation loses the lock) and is cancelled after eval_timeout_s: the decision then
     # fails with nothing changed. lock_ttl_s must exceed the evaluation's longest silent phase (the target's load).
     eval_timeout_s: float = 3600.0
+    # The serving-engine gate (pipelines/serving_gate.py): the evaluation also decodes its prompts with each draft in
+    # vLLM and with our decoder's chain of the same depth; a candidate whose acceptance length in vLLM is below 0.9x
+    # ours, or whose export is not the draft as trained, is never promoted. "auto": where vLLM is installed and
+    # loads the target (else said loudly, and tagged on the run, that it was skipped); "vllm": measure or fail;
+    # "off". The depth: serving_gate_k, else each draft's TTT depth (ttt_steps; the recipe's for a candidate).
+    serving_gate: str = "auto"
+    serving_gate_k: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,8 +153,9 @@ def draft_output(config: RetrainConfig, rows: int, features: str | list) -> str:
 def _scale_job(config: RetrainConfig, rows: int, features: str, init_from: str | None, output: str):
     from pipelines.train import TrainJobConfig
 
-    overrides = {**config.train, "features": features, "target": config.target, "output": output,
-                 "registered_model_name": config.registered_model, "resume": True}
+    # the export is gated at the promotion (beside the champion), not once more in training
+    overrides = {"serving_gate": "off", **config.train, "features": features, "target": config.target,
+                 "output": output, "registered_model_name": config.registered_model, "resume": True}
     if init_from:
         overrides["init_from"] = init_from
         overrides.setdefault("lr", config.warm_start_lr)
@@ -199,21 +207,16 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
     sources = {"new": f"models:/{config.registered_model}/{version}"}
     if champion is not None and str(champion.version) != str(version):  # a rerun re-evaluates the champion alone
         sources["champion"] = champion_uri
-    evals = evaluate_on_worker(config, sources)
+    # the serving gate's "draft as trained": the training run's last checkpoint (the registered folder is its export)
+    references = {"new": join(trained["checkpoint"], "draft")} if trained.get("checkpoint") else None
+    evals = evaluate_on_worker(config, sources, references=references)
     new, champion_eval = evals["new"], evals.get("champion")
+    if (champion_eval or {}).get("serving_gate"):
+        from pipelines.serving_gate import GateResult
+
+        tag_gate(config.registered_model, champion.version, GateResult.from_dict(champion_eval["serving_gate"]))
     observed = None if champion is None else str(champion.version)
-
-    lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
-
-    def evaluate_champion(moved_to: str):  # the champion moved since: compare with the new one (under the lock:
-        nonlocal champion_eval  # it reports progress to the lease and has a deadline)
-        champion_eval = evaluate_on_worker(config, {"champion": f"models:/{config.registered_model}/{moved_to}"},
-                                           lease=lease, timeout_s=config.eval_timeout_s)["champion"]
-        return promotion_score(config, champion_eval)
-
-    decision = decide_promotion(config.registered_model, version, promotion_score(config, new), observed,
-                                promotion_score(config, champion_eval), config.margin, evaluate_champion, lease,
-                                beats=promotion_rule(config), tags={TAU_DTYPE_TAG: new["dtype"]})
+    decision, champion_eval = promote(config, version, new, champion_eval, observed)
     promoted = decision.promoted
     if decision.champion_version in (None, str(version)):
         champion_eval = None
@@ -229,7 +232,77 @@ def _scale_step(config: RetrainConfig, rows: int, earlier: list[str]) -> dict:
             "champion_moved": decision.moved,
             "reused_shards": len(manifest.reused_shards), "shards": len(manifest.shards),
             "train_run_id": trained.get("mlflow_run_id"), "features": features, "draft": trained["draft"],
+            "serving_gate": new.get("serving_gate"),
+            "champion_serving_gate": (evals.get("champion") or {}).get("serving_gate"),
             **traffic_result(config, new, champion_eval)}
+
+
+@dataclass
+class GateRefusal:
+    """What `promote` returns when the serving gate refuses the candidate: no decision was attempted."""
+
+    champion_version: str | None
+    promoted: bool = False
+    moved: int = 0
+
+
+def promote(config: RetrainConfig, version, new: dict, champion_eval: dict | None, observed: str | None):
+    """The promotion decision for the evaluated `version`: refused outright when its serving-engine gate failed
+    (`new["serving_gate"]`: the version stays `candidate`, tagged with the gate's verdict, and the message is
+    printed), else the compare-and-set under the promotion lock (`decide_promotion`). Returns (decision, the
+    champion's evaluation: a moved champion's is measured again, under the lock, without the gate)."""
+    from pipelines.serving_gate import GateResult
+
+    gate = GateResult.from_dict(new["serving_gate"]) if new.get("serving_gate") else None
+    if gate is not None:
+        tag_gate(config.registered_model, version, gate)
+    if gate is not None and gate.failed:
+        print(f"[retrain] serving gate: version {version} is NOT promoted: {gate.message()}", flush=True)
+        return GateRefusal(observed), champion_eval
+    if gate is not None:
+        print(f"[retrain] serving gate: version {version}: " + (
+            f"WARNING: not measured in vLLM: {gate.skipped}" if gate.skipped else gate.message()), flush=True)
+    champion_gate = (champion_eval or {}).get("serving_gate")
+    if champion_gate and GateResult.from_dict(champion_gate).failed:  # said, not acted on: it is already served
+        print(f"[retrain] serving gate: note: the champion (version {observed}) itself fails the gate: "
+              f"{GateResult.from_dict(champion_gate).message()}", flush=True)
+    lease = PromotionLease(config.registered_model, ttl_s=config.lock_ttl_s, wait_s=config.lock_wait_s)
+    ungated = replace(config, serving_gate="off")
+
+    def evaluate_champion(moved_to: str):  # the champion moved since: compare with the new one (under the lock:
+        nonlocal champion_eval  # it reports progress to the lease and has a deadline)
+        champion_eval = evaluate_on_worker(ungated, {"champion": f"models:/{config.registered_model}/{moved_to}"},
+                                           lease=lease, timeout_s=config.eval_timeout_s)["champion"]
+        return promotion_score(config, champion_eval)
+
+    decision = decide_promotion(config.registered_model, version, promotion_score(config, new), observed,
+                                promotion_score(config, champion_eval), config.margin, evaluate_champion, lease,
+                                beats=promotion_rule(config), tags={TAU_DTYPE_TAG: new["dtype"]})
+    return decision, champion_eval
+
+
+def tag_gate(name: str, version, gate) -> None:
+    """The serving gate's verdict on the version (`eagle3.serving_gate`) and, where measured, its acceptance length in
+    vLLM (`vllm_spec.ACCEPTANCE_TAG`: what a vLLM replica's drift rule compares its window with)."""
+    from pipelines.engines.vllm_spec import ACCEPTANCE_TAG
+
+    c = registry_client()
+    c.set_model_version_tag(name, str(version), "eagle3.serving_gate", gate.tag())
+    if gate.vllm_acceptance_length is not None:
+        c.set_model_version_tag(name, str(version), ACCEPTANCE_TAG, f"{gate.vllm_acceptance_length:.4f}")
+
+
+def log_gates(client, run_id: str, result: dict) -> None:
+    """The serving gate's numbers for the candidate (`serving_gate/...`) and the champion
+    (`champion_serving_gate/...`) in a scale's child run, and each verdict as a tag."""
+    from pipelines.serving_gate import GateResult
+
+    for key in ("serving_gate", "champion_serving_gate"):
+        if result.get(key):
+            gate = GateResult.from_dict(result[key])
+            for name, value in gate.metrics(f"{key}/").items():
+                client.log_metric(run_id, name, value)
+            client.set_tag(run_id, key, gate.tag())
 
 
 def run_retrain(config: RetrainConfig) -> dict:
@@ -250,12 +323,21 @@ def run_retrain(config: RetrainConfig) -> dict:
     check_eval_prompts(config.eval_prompts)
     if config.traffic:  # a traffic URL without a manifest, or of another target, is refused before any work
         check_traffic(config)
+    from pipelines.serving_gate import announce_skip, check_gate_mode
+
+    gate_skipped = check_gate_mode(config.serving_gate)  # "vllm" without vLLM: refused here
+    if config.serving_gate == "off":
+        print("[retrain] serving gate off: candidates are promoted on their tau alone, never measured in vLLM "
+              "(--serving-gate auto|vllm)", flush=True)
+    elif gate_skipped:
+        announce_skip(gate_skipped, "retraining's promotion", stage="retrain")
     client = registry_client()
     experiment_id = tracking.ensure_experiment(config.mlflow_experiment)
     parent = client.create_run(experiment_id, run_name="retrain").info.run_id
     for key, value in config.to_dict().items():
         if value is not None:
             client.log_param(parent, key, json.dumps(value) if isinstance(value, (list, dict)) else value)
+    client.set_tag(parent, "serving_gate", f"skipped: {gate_skipped}" if gate_skipped else config.serving_gate)
     results, earlier = [], []
     for rows in scales:
         child = client.create_run(experiment_id, run_name=f"scale-{rows}",
@@ -269,6 +351,7 @@ def run_retrain(config: RetrainConfig) -> dict:
             if result.get(key) is not None:  # the champion's taus: when there was one; traffic taus: with traffic
                 client.log_metric(child, key, float(result[key]))
         client.log_metric(child, "promoted", float(result["promoted"]))
+        log_gates(client, child, result)
         for name, tau in result["tree_tau_by_set"].items():
             client.log_metric(child, f"tree_tau/{name}", tau)
         client.log_metric(parent, "tau", result["tau"], step=rows)

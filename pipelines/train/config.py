@@ -103,6 +103,13 @@ class TrainJobConfig:
     mlflow_experiment: str | None = "eagle3-train"
     registered_model_name: str | None = "eagle3-draft"
     init_from: str | None = None  # warm start: a draft folder whose weights seed this draft where shapes agree
+    # The serving-engine gate of the export (pipelines/serving_gate.py): "auto" (jobs/train.py's default) measures
+    # the exported draft's acceptance in vLLM against our decoder's chain of the same depth where vLLM is installed
+    # and loads the target, else says loudly that it was skipped; "vllm" measures or fails; "off" (the default
+    # here: retraining gates the same draft at its promotion, beside the champion) skips it. Its depth: k, else
+    # ttt_steps. A draft below the gate leaves no export (ServingGateFailed).
+    serving_gate: str = "off"
+    serving_gate_k: int | None = None
 
     def __post_init__(self):
         if (self.features is None) == (self.corpus is None):
@@ -122,6 +129,12 @@ class TrainJobConfig:
             raise ValueError("eval_fraction must be in [0, 1)")
         if self.corpus is not None and self.target is None:
             raise ValueError("streaming from a corpus needs --target")
+        from pipelines.serving_gate import GATE_MODES
+
+        if self.serving_gate not in GATE_MODES:
+            raise ValueError(f"serving_gate must be one of {GATE_MODES}, got {self.serving_gate!r}")
+        if self.serving_gate_k is not None and self.serving_gate_k < 1:
+            raise ValueError(f"serving_gate_k must be >= 1, got {self.serving_gate_k}")
 
     def row_length(self, lengths: list[int]) -> int | None:
         """The packed row length for a step whose conversations have `lengths` (None: no packing)."""

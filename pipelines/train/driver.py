@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 from pipelines.cluster import alive_nodes
+from pipelines.serving_gate import ServingGateFailed
 from pipelines.storage import (arrow_filesystem, commit_json, join, local_path, pin_registry_uri, upload_folder,
                                url_to_fs)
 from pipelines.train.config import TrainJobConfig, feature_sources
@@ -311,6 +312,9 @@ def run_train(config: TrainJobConfig) -> dict:
                           "Train into another --output, or delete this one to start over.")
     if config.mlflow_experiment:
         tracking.require_shared_store(alive_nodes())
+    from pipelines.serving_gate import check_gate_mode
+
+    check_gate_mode(config.serving_gate)  # --serving-gate vllm without vLLM: refused before any work
     meta, plan, data, lineage = prepare_data(config, world)
     tconfig = target_config(meta["target"])
     counts = meta.pop("token_counts")
@@ -353,15 +357,24 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
 
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint: {result.error}")
+    gate = export_gate(config, target)
     with tempfile.TemporaryDirectory() as staging, result.checkpoint.as_directory() as ckpt:
         draft_dir, spec_dir = Path(staging) / "draft", Path(staging) / "draft-speculators"
         state = json.loads((Path(ckpt) / "state.json").read_text())
-        export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target)
+        try:
+            gated = export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target, gate=gate)
+        except ServingGateFailed as err:
+            if run_id:
+                tracking.retrying(lambda: _log_gate(run_id, err.result), f"logging the serving gate of run {run_id}")
+            raise
+        if gated is not None and run_id:
+            tracking.retrying(lambda: _log_gate(run_id, gated), f"logging the serving gate of run {run_id}")
         # exported beside, then swapped in whole: a crash never leaves the output without a whole draft
         for folder in (draft_dir, spec_dir):
             upload_folder(folder, join(config.output, folder.name))
         draft_url, spec_url = join(config.output, "draft"), join(config.output, "draft-speculators")
         summary = {"step": state["step"], "restored_from": state.get("restored_from", []),
+                   "serving_gate": gated.to_dict() if gated is not None else None,
                    "checkpoint": _checkpoint_url(config, result.checkpoint.path), "draft": draft_url, "draft_speculators": spec_url,
                    "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}
         if run_id:  # hours of training are not lost to a tracking server that blinks now: wait for it
@@ -394,14 +407,62 @@ def _log_and_register(config: TrainJobConfig, run_id: str, draft_dir: Path, spec
     return {}
 
 
-def export_draft(checkpoint_draft: Path, draft_dir: Path, spec_dir: Path, target: str) -> None:
-    """The checkpoint's `save_draft` folder as-is (vLLM/SGLang layout) and re-exported in the speculators layout."""
+def export_draft(checkpoint_draft: Path, draft_dir: Path, spec_dir: Path, target: str, gate=None):
+    """The checkpoint's `save_draft` folder as-is (vLLM/SGLang layout) and re-exported in the speculators layout.
+
+    `gate(export, checkpoint) -> GateResult` (`export_gate`): the serving-engine gate of the exported folder against
+    the checkpoint's; a draft that fails it leaves neither folder behind (ServingGateFailed). Returns the gate's
+    result (None without a gate)."""
     from eagle_core.checkpoint import export_speculators, load_draft
 
     if draft_dir.exists():
         shutil.rmtree(draft_dir)
     shutil.copytree(checkpoint_draft, draft_dir)
+    result = None
+    if gate is not None:  # first: it judges the folder as exported, before anything reads it
+        result = gate(draft_dir, checkpoint_draft)
+        if result.skipped:
+            from pipelines.serving_gate import announce_skip
+
+            announce_skip(result.skipped, f"the export of {checkpoint_draft}")
+        elif result.failed:
+            for folder in (draft_dir, spec_dir):
+                shutil.rmtree(folder, ignore_errors=True)
+            raise ServingGateFailed(result, "the export did not finish: the serving-engine gate failed")
+        else:
+            print(f"[train] serving gate: {result.message()}", flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # shared target embeddings are not part of either export
         draft = load_draft(draft_dir)
     export_speculators(draft, spec_dir, verifier=target)
+    return result
+
+
+def export_gate(config: TrainJobConfig, target: str):
+    """The gate `export_draft` runs for this job (`config.serving_gate`), as a Ray task with a training worker's
+    resources; None when it is off or vLLM is not installed (said loudly: `pipelines.serving_gate.announce_skip`)."""
+    from pipelines.serving_gate import announce_skip, check_gate_mode, gate_on_worker
+
+    skipped = check_gate_mode(config.serving_gate)
+    if skipped:
+        if config.serving_gate == "off":
+            print(f"[train] serving-engine gate off: the export in {config.output} is not measured in vLLM "
+                  "(--serving-gate auto|vllm measures it)", flush=True)
+        else:
+            announce_skip(skipped, f"the export in {config.output}")
+        return None
+    return lambda export, checkpoint: gate_on_worker(
+        target, export, checkpoint, name=f"the export of {config.output}", mode=config.serving_gate,
+        k=config.serving_gate_k, num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0)
+
+
+def _log_gate(run_id: str, result) -> None:
+    """The gate's numbers and verdict in the training run (tag `serving_gate`)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines import tracking
+
+    client = MlflowClient(tracking.tracking_uri())
+    for key, value in result.metrics().items():
+        client.log_metric(run_id, key, value)
+    client.set_tag(run_id, "serving_gate", result.tag())
