@@ -6,11 +6,13 @@ Definitions (the project's, `eagle_core.generate.RequestStats`): a *draft round*
 or chain for one request; its accept length counts the draft tokens accepted (bonus excluded);
 tau = 1 + accepted / draft rounds, pooled over whatever is being measured (a request, a window of requests).
 
-The drift rule compares like with like: the champion's evaluation tau (`pipelines.retrain_eval.evaluate_draft`, the
-version tag `tau`) is measured on tree rounds, so the drift window pools only a request's tree rounds (`DRIFT_MODES`,
-"context" being a tree with a prompt-lookup chain grafted beside it). Chain rounds (the load fallback) have a
-shorter path by construction and plain rounds propose nothing; counting them would raise an alert whenever load
-rises. A request with no tree round does not enter the drift window.
+The drift rule compares like with like: the champion's evaluation tau (`pipelines.retrain.evaluate.evaluate_draft`,
+the version tag `tau`) is measured on tree rounds, so the drift window pools only a request's tree rounds
+(`DRIFT_MODES`, "context" being a tree with a prompt-lookup chain grafted beside it). Chain rounds (the load
+fallback) have a shorter path by construction and plain rounds propose nothing; counting them would raise an alert
+whenever load rises. A request with no tree round does not enter the drift window. On vLLM (`engine_name` vllm)
+every round is a vLLM verification step (mode "vllm"), compared with the version's acceptance length in vLLM (the
+tag `eagle3.vllm_acceptance_length`, written by the serving-engine gate).
 
 Per label, over the last `window` requests of the served version: window tau < reference tau - margin raises the
 alert (once, when it crosses), window tau >= that threshold clears it (once). No decision is taken before the
