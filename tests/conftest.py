@@ -195,8 +195,8 @@ def s3_endpoint():
 # out in collection order, each to the first process that runs short of work. The files that take longest go
 # first, so that none of them starts near the end while the other process idles (longest-first scheduling).
 # Measured serially (`pytest --durations=0`, tests/README.md); a file missing here keeps its place after them.
-# test_serve_vllm.py: ~150-250 s under -n 2; test_engines.py: ~330 s under -n 2 before dbae12b, which halved it in
-# serial A/B runs (so ~170 s, estimated).
+# test_serve_vllm.py: ~150-250 s under -n 2. test_engines.py: ~330 s under -n 2 before dbae12b, ~180-250 s expected
+# after it (not yet timed under -n 2; its serial runs went from 885-965 s to 412-496 s on a loaded machine).
 LONGEST_FIRST = (
     "test_serve_vllm.py", "test_cluster_s3.py", "test_engines.py", "test_retrain.py", "test_extract.py",
     "test_train.py", "test_gemma3.py", "test_train_smollm2.py", "test_families.py", "test_extract_streaming.py",
