@@ -356,7 +356,7 @@ def test_sigterm_ends_a_vllm_engine_core_child_process(tiny_qwen3, smollm2_token
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    got = [FeatureRow(**r) for r in torch.load(out, weights_only=False)]
+    got = [FeatureRow(**r) for r in torch.load(out, weights_only=True)]
     assert_features_close(qwen3_reference(tiny_qwen3, rows, "float32"), got, rel=FP32_REL)
 
 

@@ -103,7 +103,7 @@ PLANTS = {"aux layer ids shifted by one": (shift_aux_ids, ["aux layer ids", "[3,
 
 
 def gate_in_process(smollm2, shipped, our_tau: float):
-    """The gate `export_draft` runs (`pipelines.train.driver.export_gate` runs the same `measure` in a Ray task after
+    """The gate `export_draft` runs (`pipelines.train.export.export_gate` runs the same `measure` in a Ray task after
     its own target load): the exported folder in vLLM against our chain tau of the checkpoint."""
     from eagle_core.target import materialize_hf_folder
     from pipelines.serving_gate import measure
@@ -119,7 +119,7 @@ def export_with(tmp_path, monkeypatch, smollm2, shipped, plant=None, gate=None):
     """`export_draft` of the shipped draft as the training checkpoint, with `plant` applied to the export as it is
     copied (an export bug), gated in this process (`gate`: the gate's answer, without measuring again). Returns
     (draft folder, speculators folder, result or error)."""
-    import pipelines.train.driver as driver
+    import pipelines.train.export as export
     from eagle_core.shipped import shipped_draft
     from pipelines.serving_gate import ServingGateFailed
 
@@ -128,11 +128,11 @@ def export_with(tmp_path, monkeypatch, smollm2, shipped, plant=None, gate=None):
         if plant is not None:
             plant(Path(dst))
 
-    monkeypatch.setattr(driver, "shutil", types.SimpleNamespace(copytree=copytree, rmtree=shutil.rmtree))
+    monkeypatch.setattr(export, "shutil", types.SimpleNamespace(copytree=copytree, rmtree=shutil.rmtree))
     draft_dir, spec_dir = tmp_path / "draft", tmp_path / "draft-speculators"
     gate = gate or gate_in_process(smollm2, shipped, shipped[2].chain_tau)
     try:
-        outcome = driver.export_draft(shipped_draft("smollm2-135m"), draft_dir, spec_dir, "smollm2-135m", gate=gate)
+        outcome = export.export_draft(shipped_draft("smollm2-135m"), draft_dir, spec_dir, "smollm2-135m", gate=gate)
     except ServingGateFailed as err:
         outcome = err
     return draft_dir, spec_dir, outcome
@@ -229,7 +229,7 @@ def test_without_vllm_the_gate_says_it_is_skipped(monkeypatch, capsys, tmp_path)
     import pipelines.serving_gate as gate
     from pipelines.serving_gate import ServingGateUnavailable, check_gate_mode
     from pipelines.train import TrainJobConfig
-    from pipelines.train.driver import export_gate
+    from pipelines.train.export import export_gate
 
     monkeypatch.setattr(gate, "vllm_installed", lambda: False)
     assert "vLLM is not installed" in check_gate_mode("auto")

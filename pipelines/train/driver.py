@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 from pipelines.cluster import alive_nodes
@@ -24,6 +22,7 @@ from pipelines.serving_gate import ServingGateFailed
 from pipelines.storage import (arrow_filesystem, commit_json, join, local_path, pin_registry_uri, upload_folder,
                                url_to_fs)
 from pipelines.train.config import TrainJobConfig, feature_sources
+from pipelines.train.export import export_draft, export_gate, log_gate
 from pipelines.train.faults import fault_step_from_env
 from pipelines.train.lineage import Lineage
 from pipelines.train.model import count_trainable, inherited_vocab, target_config, vocab_coverage, vocab_from_counts
@@ -365,10 +364,10 @@ def finish_run(config: TrainJobConfig, result, run_id: str | None, target: str) 
             gated = export_draft(Path(ckpt) / "draft", draft_dir, spec_dir, target, gate=gate)
         except ServingGateFailed as err:
             if run_id:
-                tracking.retrying(lambda: _log_gate(run_id, err.result), f"logging the serving gate of run {run_id}")
+                tracking.retrying(lambda: log_gate(run_id, err.result), f"logging the serving gate of run {run_id}")
             raise
         if gated is not None and run_id:
-            tracking.retrying(lambda: _log_gate(run_id, gated), f"logging the serving gate of run {run_id}")
+            tracking.retrying(lambda: log_gate(run_id, gated), f"logging the serving gate of run {run_id}")
         # exported beside, then swapped in whole: a crash never leaves the output without a whole draft
         for folder in (draft_dir, spec_dir):
             upload_folder(folder, join(config.output, folder.name))
@@ -405,64 +404,3 @@ def _log_and_register(config: TrainJobConfig, run_id: str, draft_dir: Path, spec
                                                  digest=tracking.folder_digest(draft_dir))
             return {"registered_model": config.registered_model_name, "model_version": version}
     return {}
-
-
-def export_draft(checkpoint_draft: Path, draft_dir: Path, spec_dir: Path, target: str, gate=None):
-    """The checkpoint's `save_draft` folder as-is (vLLM/SGLang layout) and re-exported in the speculators layout.
-
-    `gate(export, checkpoint) -> GateResult` (`export_gate`): the serving-engine gate of the exported folder against
-    the checkpoint's; a draft that fails it leaves neither folder behind (ServingGateFailed). Returns the gate's
-    result (None without a gate)."""
-    from eagle_core.checkpoint import export_speculators, load_draft
-
-    if draft_dir.exists():
-        shutil.rmtree(draft_dir)
-    shutil.copytree(checkpoint_draft, draft_dir)
-    result = None
-    if gate is not None:  # first: it judges the folder as exported, before anything reads it
-        result = gate(draft_dir, checkpoint_draft)
-        if result.skipped:
-            from pipelines.serving_gate import announce_skip
-
-            announce_skip(result.skipped, f"the export of {checkpoint_draft}")
-        elif result.failed:
-            for folder in (draft_dir, spec_dir):
-                shutil.rmtree(folder, ignore_errors=True)
-            raise ServingGateFailed(result, "the export did not finish: the serving-engine gate failed")
-        else:
-            print(f"[train] serving gate: {result.message()}", flush=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # shared target embeddings are not part of either export
-        draft = load_draft(draft_dir)
-    export_speculators(draft, spec_dir, verifier=target)
-    return result
-
-
-def export_gate(config: TrainJobConfig, target: str):
-    """The gate `export_draft` runs for this job (`config.serving_gate`), as a Ray task with a training worker's
-    resources; None when it is off or vLLM is not installed (said loudly: `pipelines.serving_gate.announce_skip`)."""
-    from pipelines.serving_gate import announce_skip, check_gate_mode, gate_on_worker
-
-    skipped = check_gate_mode(config.serving_gate)
-    if skipped:
-        if config.serving_gate == "off":
-            print(f"[train] serving-engine gate off: the export in {config.output} is not measured in vLLM "
-                  "(--serving-gate auto|vllm measures it)", flush=True)
-        else:
-            announce_skip(skipped, f"the export in {config.output}")
-        return None
-    return lambda export, checkpoint: gate_on_worker(
-        target, export, checkpoint, name=f"the export of {config.output}", mode=config.serving_gate,
-        k=config.serving_gate_k, num_cpus=config.cpus_per_worker, num_gpus=1 if config.use_gpu else 0)
-
-
-def _log_gate(run_id: str, result) -> None:
-    """The gate's numbers and verdict in the training run (tag `serving_gate`)."""
-    from mlflow.tracking import MlflowClient
-
-    from pipelines import tracking
-
-    client = MlflowClient(tracking.tracking_uri())
-    for key, value in result.metrics().items():
-        client.log_metric(run_id, key, value)
-    client.set_tag(run_id, "serving_gate", result.tag())
