@@ -65,6 +65,7 @@ class _SessionRay:
 
     def __init__(self):
         self.cluster, self.temp_dir, self.dashboard = None, None, False
+        self.old_dirs = []  # the folders of clusters this process stopped, removed when the session ends
         self.current_item = None  # the test being set up (pytest_runtest_setup)
 
     def start(self, dashboard: bool) -> None:
@@ -88,6 +89,10 @@ class _SessionRay:
         # start, which inherit it, and restored after, so that no later subprocess of this test process (another
         # test's `ray start`) records its own cluster there. Cluster does not create the folder.
         with mock.patch.dict(os.environ, {"RAY_TMPDIR": self.temp_dir}):
+            # Not the tracking URI of an earlier test of this process (`mlflow.set_tracking_uri` exports it): the
+            # raylet's environment is every worker's and every submitted job's, whose runs would go to that store
+            # (a CI run's job logged to another test's database, and its test found no run).
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
             os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
             # No log monitor: it scans the session's log files ten times a second to forward them to drivers, and
             # this driver takes none (log_to_driver=False): ~20 CPU-s per cluster over a suite, measured here.
@@ -103,14 +108,21 @@ class _SessionRay:
         self.dashboard = dashboard
         ray.dashboard_address = f"http://{context.dashboard_url}" if dashboard else None
 
-    def stop(self) -> None:
+    def stop(self, final: bool = True) -> None:
+        """Stop the cluster; its folder is removed only at the end (`final`): Ray Data's log handlers in this
+        process keep the first session's log file and reopen it by path (a restarted cluster's later dataset
+        failed with FileNotFoundError on .../session_.../logs/ray-data/ray-data.log when it was removed)."""
         import ray
 
         if self.cluster is not None:
             ray.shutdown()
             self.cluster.shutdown()
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.old_dirs.append(self.temp_dir)
             self.cluster = None
+        if final:
+            for folder in self.old_dirs:
+                shutil.rmtree(folder, ignore_errors=True)
+            self.old_dirs = []
 
 
 _SESSION_RAY = _SessionRay()
@@ -125,7 +137,7 @@ def pytest_runtest_setup(item):
     """Before a job-submitting module's test sets up its fixtures: a cluster started earlier in this process
     without the dashboard is restarted with one (pytest has torn the previous module's fixtures down by now)."""
     if _SESSION_RAY.cluster is not None and not _SESSION_RAY.dashboard and _wants_job_api(item):
-        _SESSION_RAY.stop()
+        _SESSION_RAY.stop(final=False)
         _SESSION_RAY.start(dashboard=True)
     _SESSION_RAY.current_item = item
 

@@ -176,6 +176,20 @@ def test_the_shipped_draft_passes_in_vllm_as_in_our_decoder(tmp_path, monkeypatc
     assert tags["eagle3.serving_gate"].startswith("passed: ")
 
 
+def test_torch_sets_its_threads_again_once_the_gate_engine_is_closed(shipped):
+    """The gate's engine ran its core in this process, where vLLM's CPU worker replaces `torch.set_num_threads`
+    with a no-op; closed, it leaves torch's own (a CI run's later test in this process found 2 threads after
+    setting 1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_a_planted_export_mismatch_is_caught(plant, tmp_path, monkeypatch, smollm2, shipped, registry, capsys):
     """Each mismatch alone, in the folder the export hands to vLLM: the export does not finish (neither folder is

@@ -125,6 +125,24 @@ def other_in_process_engine(owner) -> bool:
                if e is not owner and getattr(e, "llm", None) is not None)
 
 
+def give_torch_its_threads_back() -> None:
+    """vLLM's CPU worker replaces `torch.set_num_threads`, process-wide, with a no-op that warns (its engine core
+    binds torch's threads to cores). Once no engine core runs in this process, torch's own function is put back:
+    else every later `set_num_threads` here is silently skipped (`pipelines.cluster.use_assigned_cpus` of a pooled
+    Ray worker that once held an engine, or a test's thread count after an in-process engine's test)."""
+    if not other_in_process_engine(None) and torch.set_num_threads is not torch._C.set_num_threads:
+        torch.set_num_threads = torch._C.set_num_threads
+
+
+def stop_llm(owner, *llms) -> None:
+    """Shut `llms` (vLLM engines of `owner`) down and forget `owner`; see `give_torch_its_threads_back`."""
+    _live.discard(owner)
+    for llm in llms:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+    give_torch_its_threads_back()
+
+
 def start_llm(owner, kwargs: dict):
     """`vllm.LLM(**kwargs)` for `owner` (an engine of this module with `close()`), which is closed at interpreter exit
     and on SIGTERM from now on, and at once if the start fails."""
@@ -378,12 +396,9 @@ class VllmEngine(TargetEngine):
                           SamplingParams(max_tokens=1), use_tqdm=False)
 
     def close(self) -> None:
-        _live.discard(self)
-        for attr in ("llm", "_sampler"):
-            llm = getattr(self, attr, None)
-            setattr(self, attr, None)
-            if llm is not None:
-                llm.llm_engine.engine_core.shutdown()
+        llms = [getattr(self, "llm", None), getattr(self, "_sampler", None)]
+        self.llm = self._sampler = None
+        stop_llm(self, *llms)
         if getattr(self, "_hidden", None):
             shutil.rmtree(self._hidden, ignore_errors=True)
             self._hidden = None
@@ -411,10 +426,8 @@ class OfflineLLM:
         self.llm = start_llm(self, kwargs)
 
     def close(self) -> None:
-        _live.discard(self)
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+        llm, self.llm = getattr(self, "llm", None), None
+        stop_llm(self, llm)
 
     def __enter__(self):
         return self
