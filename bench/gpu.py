@@ -56,7 +56,7 @@ from eagle_core.decoding import clock, plain_step, prefill
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.kv import TargetKV, _cache_kwarg
 from eagle_core.static_kv import StaticKV
-from eagle_core.static_rows import StaticConfig
+from eagle_core.static_rows import StaticConfig, inductor
 from eagle_core.target import default_aux_layer_ids
 from eagle_core.capture import capture_features
 from eagle_core.teacher import with_targets
@@ -321,8 +321,7 @@ def static_path(model, opts, ids, context: int, aux) -> tuple[dict, dict]:
     variants = {"static": StaticConfig(capacity=context + steps + 2 * max(widths))}
     if opts.compile != "none":
         mode = None if opts.compile == "default" else opts.compile
-        variants["compiled"] = StaticConfig(capacity=context + steps + 2 * max(widths), compile=lambda f: torch.compile(
-            f, fullgraph=True, dynamic=False, mode=mode))
+        variants["compiled"] = StaticConfig(capacity=context + steps + 2 * max(widths), compile=inductor(mode))
     trees = {w: tree_from_parents(ids[:, context: context + w], torch.clamp(torch.arange(w) - 1, min=0)[None].to(
         ids.device)) for w in widths}  # chains: a verify's cost depends on its width, not its shape
 

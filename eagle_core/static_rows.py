@@ -78,14 +78,51 @@ class CacheFull(RuntimeError):
     """A forward would write past the cache's capacity (slots per row) or a merge past its rows."""
 
 
+# Slots an uncompiled step's attention reads at a time (`StaticConfig.bucket`'s default where nothing is compiled).
+EAGER_BUCKET = 64
+
+
 @dataclass
 class StaticConfig:
     capacity: int = 2048  # slots per row: prompt, answer and one verify's tree
     rows: int = 0  # batch rows allocated (0: the prefill's batch); merges fill the spare ones
-    bucket: int = 64  # attention reads a multiple of this many slots: one compiled shape per bucket
-    # Wraps the plain step, the verify step and the draft loop once each (e.g. `lambda f: torch.compile(f,
-    # fullgraph=True)`); None: eager.
+    # Attention reads a multiple of this many slots. None: the whole capacity when the steps are compiled (a mask over
+    # the whole cache, as gpt-fast's: one shape for every cache length, so one compile and one CUDA graph per step,
+    # row bucket and verify width, never one per length), `EAGER_BUCKET` slots when they run eagerly (less to read).
+    bucket: int | None = None
+    # Wraps the plain step, the verify step and the draft loop once each (`inductor()`, or e.g. `lambda f:
+    # torch.compile(f, fullgraph=True, backend="eager")`); None: eager.
     compile: Callable | None = None
+
+    @property
+    def attention_bucket(self) -> int:
+        if self.bucket is not None:
+            return self.bucket
+        return self.capacity if self.compile is not None else EAGER_BUCKET
+
+
+def inductor(mode: str | None = None) -> Callable:
+    """The compile of `StaticConfig.compile` for decoding: `torch.compile(fullgraph=True, dynamic=False)` (one graph
+    per step, shapes fixed by the buckets), with torch's persistent caches kept once per machine under the project's
+    cache folder (`compile_cache_dir`): a second process (another replica, the next job) loads the compiled kernels
+    instead of generating them again."""
+    compile_cache_dir()
+    return lambda step: torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
+
+
+def compile_cache_dir():
+    """Where torch keeps what it compiled: Inductor's FX graph cache (the generated C++/Triton kernels, keyed by the
+    graph and the machine) and AOTAutograd's cache, both on by default, under TORCHINDUCTOR_CACHE_DIR; unset, it is
+    set to `<EAGLE3_CACHE>/torch-compile` (the folder that also keeps the converted targets, a volume a cluster's
+    nodes keep across pods) instead of torch's /tmp/torchinductor_<user>. Dynamo's tracing is not cached: each
+    process traces its steps again (seconds), then finds the compiled graphs."""
+    import os
+
+    from eagle_core.target import cache_dir
+
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_dir() / "torch-compile")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
 
 
 class StaticRows:
@@ -169,7 +206,7 @@ class StaticRows:
     def _reserve(self, n_new: int) -> None:
         """Before a forward that leaves n_new entries past the committed ones: check the room, choose the slots
         attention reads (the bucket)."""
-        need, capacity, bucket = self.width + n_new, self.config.capacity, self.config.bucket
+        need, capacity, bucket = self.width + n_new, self.config.capacity, self.config.attention_bucket
         if need > capacity:
             raise CacheFull(f"{n_new} new entries need up to {need} slots per row; the static cache has "
                             f"{capacity} (StaticConfig.capacity)")

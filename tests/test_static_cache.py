@@ -385,6 +385,44 @@ def test_compiled_steps_give_todays_tokens_through_mode_switches_and_rows_leavin
 
 
 @torch.inference_mode()
+def test_a_thousand_tokens_compile_each_step_once_whatever_the_cache_length():
+    """Issue 55: with compiled steps and the default bucket (the whole capacity), 1 000 tokens of plain decoding
+    compile the plain step once (batch 1: one row bucket), though the cache grows from 12 to 1 012 slots (at the
+    former 64-slot buckets, 16 compiles); a second generation (new caches, another prompt length) compiles nothing
+    more. 1 000 tokens of tree rounds, a tree whose node count varies round to round inside one `WIDTH_BUCKETS`
+    bucket (the context chain's lookup tokens come and go), compile the verify and the draft loop once each, and
+    every token is the eager path's. dynamo's compiles are counted per step (a `CompileCounter` backend each:
+    tracing only, no code generated)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counters = {}
+
+    def counted(step):
+        counter = counters.setdefault(step.__name__, CompileCounter())
+        return torch.compile(step, fullgraph=True, backend=counter)
+
+    def compiles():  # steps compiled at least once: compiles each
+        return {name: c.frame_count for name, c in counters.items() if c.frame_count}
+
+    torch._dynamo.reset()
+    target = damped_tiny_llama(0.8, seed=3)
+    draft, prompts = echo_draft(target), random_prompts(2, 512, lo=10, hi=14, seed=7)
+    config = StaticConfig(capacity=1100, compile=counted)
+    assert config.attention_bucket == 1100 and StaticConfig(capacity=1100).attention_bucket == 64
+    for prompt in prompts:
+        eager = generate(target, [prompt], max_new_tokens=1000).tokens
+        assert generate(target, [prompt], max_new_tokens=1000, static=config).tokens == eager
+    assert compiles() == {"_plain_step": 1}
+    tree = TreeConfig(3, 4, 10, context_chain=3)
+    eager = generate(target, prompts[:1], draft=draft, tree=tree, mode="context", max_new_tokens=1000)
+    static = generate(target, prompts[:1], draft=draft, tree=tree, mode="context", max_new_tokens=1000,
+                      static=config)
+    assert static.tokens == eager.tokens and len(static.tokens[0]) == 1000
+    assert len(static.stats[0].accept_lengths) > 100  # hundreds of rounds, of several tree sizes, one graph each
+    assert compiles() == {"_plain_step": 1, "_verify_step": 1, "_grow": 1}
+
+
+@torch.inference_mode()
 def test_padding_rows_change_no_token_of_the_real_rows():
     """A batch of 3 rows steps on 4 (`ROW_BUCKETS`): its plain step and its verify (seeded sampling) give the real
     rows the tokens, acceptance, features and cache entries they get when row 3 is a real row with its own prompt and
