@@ -17,6 +17,7 @@ from eagle_core.chat import tokenize_conversation
 from eagle_core.target import load_target
 from eagle_core.capture import capture_features
 from pipelines.extract import ExtractConfig, run_extract, stream_features
+from feature_helpers import read_rows
 from pipelines.feature_files import committed_shards, decode_hidden, load_manifest, read_features
 from process_helpers import kill_session
 
@@ -43,10 +44,6 @@ def base_config(tmp_path, target, **overrides) -> ExtractConfig:
                max_new_tokens=6, rows_per_shard=2, cpus_per_worker=0.5, mlflow_experiment=None, max_length=96)
     cfg.update(overrides)
     return ExtractConfig(**cfg)
-
-
-def read_rows(output):
-    return sorted(read_features(output).take_all(), key=lambda r: r["id"])
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +112,11 @@ def test_features_are_exact_masks_correct_manifest_complete(ray_cluster, tmp_pat
 
 
 def test_streaming_yields_the_written_features(plain):
+    """`stream_features` yields the rows `run_extract` wrote; and `read_features` (Ray Data) reads back the rows
+    the shards hold (the other tests read them with pyarrow: `feature_helpers.read_rows`)."""
     config, _ = plain
     written = read_rows(config.output)
+    assert sorted(read_features(config.output).take_all(), key=lambda r: r["id"]) == written
     streamed = sorted(stream_features(config).take_all(), key=lambda r: r["id"])
     assert [r["id"] for r in streamed] == [r["id"] for r in written] == [f"conv{i}" for i in range(7)]
     for a, b in zip(streamed, written):
