@@ -120,8 +120,11 @@ def compile_cache_dir():
 
     from eagle_core.target import cache_dir
 
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_dir() / "torch-compile")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if folder in (None, "", default_cache_dir()):  # unset, or set by torch itself to its default when first asked
+        folder = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torch-compile")
     return folder
 
 

@@ -422,6 +422,41 @@ def test_a_thousand_tokens_compile_each_step_once_whatever_the_cache_length():
     assert compiles() == {"_plain_step": 1, "_verify_step": 1, "_grow": 1}
 
 
+COMPILE_ONCE = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from eagle_core.generate import generate
+from eagle_core.static_rows import StaticConfig, inductor
+from eagle_core.target import make_tiny_llama
+torch.manual_seed(0)
+target = make_tiny_llama(num_hidden_layers=2)
+config = StaticConfig(capacity=64, compile=inductor())
+tokens = generate(target, [[5, 6, 7]], max_new_tokens=4, static=config).tokens
+print(json.dumps({"tokens": tokens, "hit": counters["inductor"]["fxgraph_cache_hit"],
+                  "miss": counters["inductor"]["fxgraph_cache_miss"], "dir": __import__("os").environ[
+                  "TORCHINDUCTOR_CACHE_DIR"]}))
+"""
+
+
+def test_a_second_process_loads_the_compiled_step_from_the_machines_cache(tmp_path):
+    """`inductor()` keeps torch's compile caches under EAGLE3_CACHE/torch-compile (not torch's /tmp default): the
+    first process compiles the plain step (an Inductor FX-graph cache miss), a second process on the same machine
+    finds it there (a hit, no miss) and decodes the same tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(EAGLE3_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", COMPILE_ONCE], env=env, capture_output=True, text=True,
+                                      check=True, timeout=600).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["dir"] == runs[1]["dir"] == str(tmp_path / "cache" / "torch-compile")
+    assert runs[0]["miss"] >= 1 and runs[0]["hit"] == 0
+    assert runs[1]["hit"] >= 1 and runs[1]["miss"] == 0
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+
+
 @torch.inference_mode()
 def test_padding_rows_change_no_token_of_the_real_rows():
     """A batch of 3 rows steps on 4 (`ROW_BUCKETS`): its plain step and its verify (seeded sampling) give the real
