@@ -41,14 +41,21 @@ from eagle_core.decoding import available_modes, plain_step, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV
 from eagle_core.policy import ModeChooser
+from eagle_core import packed_linear
 from eagle_core.shipped import shipped_draft
+from eagle_core.static_rows import StaticConfig, inductor
 from eagle_core.target import (NAMED_TARGETS, SMOLLM2_NAME, cpu_has_native_bf16, load_target, materialize_hf_folder,
                                resolve_dtype)
 from eagle_core.tree import TreeConfig
 from eagle_core.verify import SamplingConfig
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "tree_context", "auto",
+           "plain_static", "auto_static", "plain_unpacked", "auto_unpacked",
            "vllm")  # "vllm": vLLM plain and vLLM + the draft at each --vllm-k (bench/vllm_runner.py)
+# "<method>_static": the method on the static caches with compiled steps (`eagle_core.static_rows.inductor`: one
+# graph per step, row bucket and verify width; compiled in the warm-up, or loaded from torch's persistent cache).
+# "<method>_unpacked": the method with the plain CPU linear (`eagle_core.packed_linear.DECODE_DTYPES` empty).
+STATIC_CAPACITY = 2048
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 COST_CONTEXT = 300  # cache length of the cost table (tokens)
 
@@ -81,8 +88,19 @@ class Runner:
         self.chain, self.tree, self.lookup_tokens = chain, tree, lookup_tokens
         # the auto policy keeps what it measured across prompts, as a server does; the context mode where the tree has
         # a chain
-        self.chooser = ModeChooser(available_modes(tree))
+        self.choosers = {}  # method -> its ModeChooser (each variant of auto measures its own steps' costs)
+        self.tuned = None  # the auto-tune's result, which every chooser starts from
         self.vllm = None  # bench.vllm_runner.VllmRunner of this dtype, for the vllm_* methods
+        self.static = StaticConfig(capacity=STATIC_CAPACITY, compile=inductor())
+
+    def warm_up(self, method: str, ids: list[int]) -> None:
+        """First-call costs out of the measurement: a static method compiles every step a round may take here."""
+        self.run(method, ids, 4)
+        if method.endswith("_static") and self.draft is not None:
+            for mode, tree in (("tree", self.tree), ("tree", self.chain), ("context", self.tree)):
+                if mode in available_modes(tree):
+                    generate(self.model, [ids], draft=self.draft, tree=tree, mode=mode, max_new_tokens=8,
+                             eos_token_id=self.eos, static=self.static)
 
     def run(self, method: str, ids: list[int], max_new_tokens: int) -> dict:
         if is_vllm(method):
@@ -97,14 +115,34 @@ class Runner:
             tokens = out[0, len(ids):].tolist()
             seconds = time.perf_counter() - t0
             return dict(tokens=tokens, seconds=seconds, rounds=None, accepted=None, draft_s=None, verify_s=None)
+        if method.endswith("_unpacked"):
+            saved, packed_linear.DECODE_DTYPES = packed_linear.DECODE_DTYPES, set()
+            try:
+                return self._run(method, method.removesuffix("_unpacked"), ids, max_new_tokens)
+            finally:
+                packed_linear.DECODE_DTYPES = saved
+        return self._run(method, method, ids, max_new_tokens)
+
+    def chooser(self, method: str) -> ModeChooser:
+        if method not in self.choosers:
+            self.choosers[method] = ModeChooser(available_modes(self.tree))
+            if self.tuned is not None:  # the auto policy starts from what the auto-tune measured
+                self.tuned.prime(self.choosers[method])
+        return self.choosers[method]
+
+    def _run(self, name: str, method: str, ids: list[int], max_new_tokens: int) -> dict:
+        t0 = time.perf_counter()
+        static = None
+        if method.endswith("_static"):
+            method, static = method.removesuffix("_static"), self.static
         draft = None if method == "plain" else self.draft
         tree, mode = {"plain": (None, "plain"), "chain": (self.chain, "tree"), "tree": (self.tree, "tree"),
                       "tree_other_head": (replace(self.tree, path_logits=not self.tree.path_logits), "tree"),
                       "tree_context": (replace(self.tree, context_chain=self.tree.context_chain or self.lookup_tokens),
                                        "context"),
                       "auto": (self.tree, "auto")}[method]
-        res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, chooser=self.chooser,
-                       max_new_tokens=max_new_tokens, eos_token_id=self.eos)
+        res = generate(self.model, [ids], draft=draft, tree=tree, mode=mode, chooser=self.chooser(name),
+                       max_new_tokens=max_new_tokens, eos_token_id=self.eos, static=static)
         seconds = time.perf_counter() - t0
         s = res.stats[0]
         return dict(tokens=res.tokens[0], seconds=seconds, rounds=s.rounds, accepted=sum(s.accept_lengths),
@@ -356,10 +394,9 @@ def main(argv=None):
             if any(is_vllm(m) for m in methods):
                 runner.vllm = VllmRunner(str(materialize_hf_folder(args.target)), draft_path, dtype,
                                          [m for m in methods if is_vllm(m)])
-            if tuned[SHORT[dtype]] is not None:  # the auto policy starts from what the auto-tune measured
-                tuned[SHORT[dtype]].prime(runner.chooser)
+            runner.tuned = tuned[SHORT[dtype]]
             for m in methods:  # warm-up: first-call costs stay out of the measurement
-                runner.run(m, calib[0][:64], 4)
+                runner.warm_up(m, calib[0][:64])
                 variants[f"{m} {SHORT[dtype]}"] = (runner, m)
             if args.costs:
                 costs[SHORT[dtype]] = measure_costs(model, draft, args.top_k)

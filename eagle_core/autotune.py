@@ -48,6 +48,7 @@ import torch
 from eagle_core.decoding import CONTEXT, draft_extend, prefill
 from eagle_core.generate import generate
 from eagle_core.kv import TargetKV, lm_logits
+from eagle_core.packed_linear import decode_kernels
 from eagle_core.timing import timer_for
 from eagle_core.tree import NO_TOKEN, TreeConfig, tree_from_parents
 from eagle_core.verify import verify_tree
@@ -302,10 +303,11 @@ def autotune(target, draft, prompts: list[list[int]], top_k: int = TreeConfig.to
     chains = sorted({length for length in context_chains if length > 0})
     t0 = time.perf_counter()
     widths = [1] + [s + 1 for s in sizes]  # verify forwards of a plain step and of every candidate size
-    costs = timed(target.get_input_embeddings().weight.device, {
-        "verify": target_forward_cases(target, widths, context_tokens, list(draft.config.aux_layer_ids)),
-        "head": head_cases(target, widths),
-        "draft": draft_cases(draft, top_k, depths, context_tokens)})
+    with decode_kernels(target), decode_kernels(draft):  # the kernels the decoding runs
+        costs = timed(target.get_input_embeddings().weight.device, {
+            "verify": target_forward_cases(target, widths, context_tokens, list(draft.config.aux_layer_ids)),
+            "head": head_cases(target, widths),
+            "draft": draft_cases(draft, top_k, depths, context_tokens)})
     forward_ms, head_ms, draft_ms = costs["verify"], monotone(costs["head"]), costs["draft"]
     t1 = time.perf_counter()
     tau, res = calibrate_acceptance(target, draft, prompts, TreeConfig(top_k, depth, max_size), depths, sizes,

@@ -29,6 +29,7 @@ from eagle_core.attention import causal_mask
 from eagle_core.capture import CommittedFeatures, RowFeatures
 from eagle_core.kv import DraftKV, TargetKV, lm_logits, target_forward
 from eagle_core.lookup import ContextIndex, context_yield
+from eagle_core.packed_linear import decode_kernels
 from eagle_core.static_kv import StaticDraftKV, StaticKV
 from eagle_core.static_rows import ROW_BUCKETS, WIDTH_BUCKETS, StaticConfig, verify_width
 from eagle_core.target import resolve_aux_layer_ids
@@ -312,7 +313,13 @@ class DecodingState:
 
     def step(self, mode: str) -> Step:
         """One round: "plain" (one target token), "tree" (`self.tree`'s draft tree), "context" (that tree with its
-        context chain grafted) or "chain" (a chain of its depth)."""
+        context chain grafted) or "chain" (a chain of its depth). On the eager caches, the target's and the draft's
+        linear layers run on packed CPU weights (`eagle_core.packed_linear`) where that is on for their dtype."""
+        eager = isinstance(self.kv, TargetKV)
+        with decode_kernels(self.target, eager), decode_kernels(self.draft, eager):
+            return self._step(mode)
+
+    def _step(self, mode: str) -> Step:
         if mode == "plain":
             return self._record_context(self._plain_step())
         if mode == CONTEXT and self.context is None:
