@@ -96,7 +96,7 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
                                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{len(processes)}.log", "w")))
 
     try:
-        def start_mlflow():  # processes[0]; the tracking server is a service of its own, not ours (TMPDIR)
+        def start_mlflow(wait: bool = True):  # processes[0]; a service of its own, not ours (TMPDIR)
             command = [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
                        "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
                        "--artifacts-destination", "s3://eagle3/mlflow"]
@@ -110,17 +110,23 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
                 processes[0] = server
             else:
                 processes.append(server)
-            wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
+            if wait:
+                wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
 
-        start_mlflow()
+        # The tracking server (one interpreter importing MLflow, ~25 s here) and the Ray head start side by side;
+        # nothing contacts the server before the retraining job below.
+        start_mlflow(wait=False)
         node_env = {**base_env, "MLFLOW_TRACKING_URI": tracking_uri}
         start([str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
                "--num-cpus=3", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
                f"--dashboard-agent-listen-port={free_port()}"], {**node_env, "EAGLE3_CACHE": str(caches["head"])})
         # The head's port answers before its node is registered; a worker node started then competes with the
-        # head's start-up, and on a loaded machine its raylet missed Ray's 30 s registration deadline.
+        # head's start-up, and on a loaded machine its raylet missed Ray's 30 s registration deadline. So the
+        # worker node starts at least 5 s after the port answered (the wait for the tracking server counts).
         wait_until(lambda: accepts(ray_port), "the Ray head")
-        time.sleep(5)
+        head_answered = time.monotonic()
+        wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
+        time.sleep(max(0.0, 5 - (time.monotonic() - head_answered)))
         start([str(bin_dir / "ray"), "start", "--block", f"--address=127.0.0.1:{ray_port}",
                "--node-ip-address=127.0.0.1", "--num-cpus=3", f"--dashboard-agent-listen-port={free_port()}"],
               {**node_env, "EAGLE3_CACHE": str(caches["worker"])})
@@ -178,6 +184,12 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         for node, cache in caches.items():
             assert list((cache / "remote").glob("tiny-*/config.json")), node
 
+        # Serve starts now (its controller, proxies and replica come up while the refusal below runs); it reads the
+        # champion through the tracking server and writes nothing under the extraction output.
+        port = free_port()
+        start([sys.executable, "-m", "jobs.serve", "--target", "s3://eagle3/models/tiny", "--draft",
+               "models:/two-node@champion", "--port", str(port), "--name", "two-node"], driver_env)
+
         # Another target on the same extraction output: refused before any work, naming the differing fields.
         other = tmp_path / "other-target"
         model = make_tiny_llama(vocab_size=len(smollm2_tokenizer), num_hidden_layers=4, seed=11,
@@ -195,9 +207,6 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         assert "target_weights_hash:" in refused.stderr and "--overwrite" in refused.stderr
         assert {p: s3.info(p)["ETag"] for p in s3.find(features)} == before  # nothing there changed
 
-        port = free_port()
-        start([sys.executable, "-m", "jobs.serve", "--target", "s3://eagle3/models/tiny", "--draft",
-               "models:/two-node@champion", "--port", str(port), "--name", "two-node"], driver_env)
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/v1/models"), "the Serve app", timeout=300)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", headers={"content-type": "application/json"},
