@@ -5,6 +5,9 @@
               + residual(hidden) -> post_attention_layernorm -> MLP + residual      => out_hidden (pre-norm)
     norm(out_hidden) -> lm_head -> draft-vocab logits;  target_id = draft_id + d2t[draft_id]
 
+EAGLE 3.1 (`norm_before_fc`, `norm_output`): input_norm(aux) before fc; out_hidden is norm(...) (post-norm), fed to
+the next step as it is and read by lm_head without a second norm.
+
 Submodule and buffer names are exactly the export keys that vLLM and SGLang load for
 `LlamaForCausalLMEagle3` (DESIGN.md "Export keys"), so `state_dict()` needs no renaming on export.
 
@@ -24,6 +27,8 @@ from torch import nn
 from eagle_core.recipe import REFERENCE
 
 LM_HEAD_INITS = ("random", "target")
+# The draft kinds a training job can build (`--draft-kind`): their DraftConfig switches.
+DRAFT_KINDS = {"eagle3": {}, "eagle3.1": {"norm_before_fc": True, "norm_output": True}}
 
 
 @dataclass
@@ -52,6 +57,11 @@ class DraftConfig:
     lm_head_init: str = "random"
     # None = frozen exactly when initialised from the target (the speculators recipe).
     freeze_lm_head: bool | None = None
+    # EAGLE 3.1 (vLLM reads the same two keys): an RMSNorm over the three fused target features before `fc`
+    # (`input_norm`), and the step's hidden state normalised (`norm`) before it is fed to the next step (and to the
+    # head, which then applies no second norm). False, False: EAGLE-3 as vLLM, SGLang and SpecForge run it.
+    norm_before_fc: bool = False
+    norm_output: bool = False
     target_num_hidden_layers: int | None = None  # lets a loader check aux_layer_ids against a target
     extra: dict = field(default_factory=dict)  # free-form lineage (target name, training run, ...)
 
@@ -250,6 +260,8 @@ class Eagle3Draft(nn.Module):
         cfg = self.config = config
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.norm_before_fc:  # EAGLE 3.1; vLLM's key is `input_norm.weight` too
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -345,7 +357,10 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden):
         # aux_hidden: [B, S, 3 * target_hidden] -> [B, S, H]
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        return self.fc(aux_hidden)
 
     def rope(self, position_ids, dtype):
         # position_ids: [B, S] -> cos, sin: [B, 1, S, head_dim], computed in float32 by transformers' rotary code
@@ -379,7 +394,8 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         b, _, s, _ = attn_out.shape
         h = residual + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, s, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(out) if self.config.norm_output else out  # EAGLE 3.1 feeds the post-norm state back
 
     def forward(self, hidden, input_ids, position_ids, attention_mask=None, past_kv=None):
         """One draft step over S new tokens.
@@ -388,7 +404,7 @@ class Eagle3Draft(nn.Module):
         past_kv: None; (k, v), each [B, kv_heads, P, D], already rotated; or a cache whose `update(k, v)` stores
             the new entries after its P and returns all P+S (`eagle_core.kv.DraftKV`, written by index)
         attention_mask: None (causal over the new tokens, all of the cache visible) or bool [B, 1, S, P+S]
-        returns out_hidden [B, S, H] (pre-norm) and the new (k, v), each [B, kv_heads, S, D]
+        returns out_hidden [B, S, H] (pre-norm; post-norm with `norm_output`) and the new (k, v), each [B, kv_heads, S, D]
         """
         q, k, v, residual = self.project_qkv(hidden, input_ids, position_ids)
         keys, values = k, v
@@ -405,9 +421,13 @@ class Eagle3Draft(nn.Module):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.finish_layer(out, residual), (k, v)
 
+    def head_input(self, out_hidden):
+        """What lm_head reads of a step's out_hidden: its final norm (already applied with `norm_output`)."""
+        return out_hidden if self.config.norm_output else self.norm(out_hidden)
+
     def compute_logits(self, out_hidden):
         # out_hidden: [B, S, H] -> [B, S, draft_vocab] in float32 (softmax/loss are done in float32)
-        return self.lm_head(self.norm(out_hidden)).float()
+        return self.lm_head(self.head_input(out_hidden)).float()
 
     def draft_to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

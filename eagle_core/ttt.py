@@ -196,7 +196,7 @@ def step_head_loss(draft, hidden, k, target_p, target_argmax, counted, head_low=
     step of `counted_rows`) and without keeping their [rows, draft vocab] logits (`ttt_ops.soft_cross_entropy`).
     head_low: the head's weight in the compute dtype (cast once per training step), or None."""
     b, t, count = counted
-    x = draft.norm(hidden[b, t])  # [N, H]
+    x = draft.head_input(hidden[b, t])  # [N, H]
     loss, hits = soft_cross_entropy(x, draft.lm_head.weight, target_p[b, t + k + 1], target_argmax[b, t + k + 1],
                                      draft.d2t, head_low)
     return loss, hits, count

@@ -27,6 +27,7 @@ import sys
 from jobs.extract import add_extraction_options, add_plan_options, resolve_job_recipe, target_shape
 from pipelines.cli import defer_to_recipe, fill_from_recipe
 from pipelines.serving_gate import GATE_MODES
+from eagle_core.draft import DRAFT_KINDS
 from pipelines.train import LM_HEAD_INITS, STRATEGIES, TrainJobConfig, run_train
 from pipelines.train.config import parse_pack_length
 
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft vocabulary: the most frequent loss-masked target tokens")
     t.add_argument("--lm-head-init", choices=LM_HEAD_INITS, default=d.lm_head_init,
                    help="random (SpecForge) or the target's lm_head rows (needs draft hidden == target hidden)")
+    t.add_argument("--draft-kind", choices=sorted(DRAFT_KINDS), default=d.draft_kind,
+                   help="eagle3, or eagle3.1 (target features normalised before fc, each step's post-norm state fed "
+                        "to the next; vLLM reads it as norm_before_fc / norm_output)")
     t.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="held-out conversations")
     t.add_argument("--seed", type=int, default=d.seed, help="draft init and data order")
     t.add_argument("--log-every", type=int, default=d.log_every, help="progress line every N steps")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from eagle_core.checkpoint import save_draft
-from eagle_core.draft import DraftConfig, Eagle3Draft
+from eagle_core.draft import DRAFT_KINDS, DraftConfig, Eagle3Draft
 from eagle_core.features import regenerate_conversations
 from eagle_core.target import cpu_has_native_bf16, load_target
 from eagle_core.capture import capture_features
@@ -65,6 +65,7 @@ class DistillConfig:
     heldout: int = option(48, "the first usable conversations, set aside for evaluation and never trained on")
     lm_head_init: str = option("target", "draft lm_head init: 'target' (the target's rows, trainable: a head that "
                                          "starts where the target is) or 'random'")
+    draft_kind: str = option("eagle3", "eagle3, or eagle3.1 (EAGLE 3.1's two norms: eagle_core.draft.DRAFT_KINDS)")
     checkpoint_every: int = option(50, "evaluate and save state + draft every N steps")
     threads: int | None = option(None, "torch threads (default: torch's choice)")
     autocast: str = option("auto", "'auto': bf16 autocast where the CPU (or GPU) has native bf16; 'off'")
@@ -188,7 +189,7 @@ class Distiller:
         torch.manual_seed(cfg.seed)
         draft = Eagle3Draft.from_target(self.target, draft_vocab_size=cfg.draft_vocab_size, d2t=d2t, t2d=t2d,
                                         ttt_steps=cfg.ttt_steps, lm_head_init=cfg.lm_head_init,
-                                        freeze_lm_head=False)
+                                        freeze_lm_head=False, **DRAFT_KINDS[cfg.draft_kind])
         draft.float()
         tcfg = config_from_fields(TrainConfig, cfg, total_steps=cfg.steps)  # lr, warmup_steps, ttt_steps
         opt = make_optimizer(draft, tcfg)

@@ -93,6 +93,30 @@ def test_foreign_checkpoint_without_our_block_loads(tiny_target, tmp_path):
     assert torch.equal(_logits(load_draft(tmp_path / "d", target=tiny_target)), _logits(draft))
 
 
+def test_an_eagle31_draft_exports_its_switches_and_norm_where_vllm_reads_them(tiny_target, tmp_path):
+    """EAGLE 3.1 (issue 55): `input_norm.weight` among the tensors, `norm_before_fc` and `norm_output` at the top of
+    config.json (vLLM's keys) and in the speculators export; both read back, from our block and from the engine
+    fields alone (a foreign checkpoint), to the same logits; an EAGLE-3 export has neither key."""
+    draft = _trained_looking_draft(tiny_target, norm_before_fc=True, norm_output=True)
+    assert not torch.equal(_logits(draft), _logits(_trained_looking_draft(tiny_target)))
+    save_draft(draft, tmp_path / "d")
+    export_speculators(draft, tmp_path / "s", verifier="tiny-llama")
+    assert set(_keys(tmp_path / "d" / "model.safetensors")) == EXPORT_KEYS | {"input_norm.weight"}
+    for folder in ("d", "s"):
+        cfg = json.loads((tmp_path / folder / "config.json").read_text())
+        assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True
+        loaded = load_draft(tmp_path / folder, target=tiny_target)
+        assert (loaded.config.norm_before_fc, loaded.config.norm_output) == (True, True)
+        assert torch.equal(_logits(loaded), _logits(draft))
+    path = tmp_path / "d" / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["eagle3_pipeline"]
+    path.write_text(json.dumps(cfg))
+    assert torch.equal(_logits(load_draft(tmp_path / "d", target=tiny_target)), _logits(draft))
+    save_draft(_trained_looking_draft(tiny_target), tmp_path / "plain")
+    assert not {"norm_before_fc", "norm_output"} & set(json.loads((tmp_path / "plain" / "config.json").read_text()))
+
+
 def test_own_embeddings_are_saved_when_hidden_differs(tiny_target, tmp_path):
     draft = _trained_looking_draft(tiny_target, hidden_size=32, intermediate_size=64)
     save_draft(draft, tmp_path / "d")

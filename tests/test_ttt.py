@@ -48,10 +48,25 @@ def _run(fn, draft, batch, target, steps):
     return out, grads
 
 
+# EAGLE-3, and EAGLE 3.1 (features normalised before fc, each step's post-norm state fed to the next)
+VARIANTS = {"eagle3": {}, "eagle3.1": dict(norm_before_fc=True, norm_output=True)}
+
+
+def _variant(draft):
+    """Norm weights away from their init (ones), so that a norm applied where it is not (or twice) shows."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return draft
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-def test_efficient_ttt_matches_naive(tiny_target, padding):
+def test_efficient_ttt_matches_naive(tiny_target, padding, variant):
     batch = _batch(tiny_target, padding)
-    draft = _draft(tiny_target)
+    draft = _variant(_draft(tiny_target, **VARIANTS[variant]))
     fast, fast_grads = _run(ttt_forward, draft, batch, tiny_target, steps=4)
     slow, slow_grads = _run(ttt_forward_naive, draft, batch, tiny_target, steps=4)
     tol = dict(rtol=1e-4, atol=1e-5)
@@ -62,6 +77,7 @@ def test_efficient_ttt_matches_naive(tiny_target, padding):
     for a, b in zip(fast.logits, slow.logits):
         torch.testing.assert_close(a, b, **tol)
     assert fast_grads.keys() == slow_grads.keys() and "fc.weight" in fast_grads
+    assert ("input_norm.weight" in fast_grads) == (variant == "eagle3.1")
     for name in fast_grads:
         torch.testing.assert_close(fast_grads[name], slow_grads[name], **tol, msg=name)
 
@@ -338,14 +354,15 @@ def test_resumed_training_equals_uninterrupted(tiny_target, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target, variant):
     """Train == serve: TTT step k at column t is what the draft computes when it drafts k tokens past t.
 
     Serving runs `draft.forward` with a KV cache: the real features up to t, then each drafted token fed
     its own previous output at the next position. TTT must produce exactly those logits.
     """
     batch = _batch(tiny_target, "none")
-    draft = _draft(tiny_target).eval()
+    draft = _variant(_draft(tiny_target, **VARIANTS[variant])).eval()
     head = tiny_target.get_output_embeddings().weight
     steps, t = 4, 5
     with torch.no_grad():

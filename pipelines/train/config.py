@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from eagle_core.draft import LM_HEAD_INITS, DraftConfig
+from eagle_core.draft import DRAFT_KINDS, LM_HEAD_INITS, DraftConfig
 from eagle_core.recipe import REFERENCE
 from eagle_core.ttt import TrainConfig
 from eagle_core.ttt_batch import refuse_longer_than_row
@@ -90,6 +90,7 @@ class TrainJobConfig:
     step_decay: float = TrainConfig.step_decay
     draft_vocab_size: int = DraftConfig.draft_vocab_size
     lm_head_init: str = DraftConfig.lm_head_init
+    draft_kind: str = "eagle3"  # eagle_core.draft.DRAFT_KINDS: "eagle3", or "eagle3.1" (EAGLE 3.1's two norms)
     eval_fraction: float = 0.05
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
@@ -120,6 +121,8 @@ class TrainJobConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.lm_head_init not in LM_HEAD_INITS:
             raise ValueError(f"lm_head_init must be one of {LM_HEAD_INITS}, got {self.lm_head_init!r}")
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"draft_kind must be one of {sorted(DRAFT_KINDS)}, got {self.draft_kind!r}")
         self.pack_length = parse_pack_length(self.pack_length)
         if self.micro_batch_tokens is not None and (isinstance(self.micro_batch_tokens, bool) or not isinstance(
                 self.micro_batch_tokens, int) or self.micro_batch_tokens < 1):

@@ -200,6 +200,8 @@ def training_fingerprint(config: TrainJobConfig) -> dict:
     mode, the extraction's fingerprint and the exact shard list of its manifest (a hash), in streaming mode the
     corpus files by content; a resumed or reused run is checked against them."""
     fingerprint = {k: getattr(config, k) for k in TRAINING_FINGERPRINT_FIELDS}
+    if config.draft_kind != "eagle3":  # only where set: the outputs of EAGLE-3 runs keep their fingerprints
+        fingerprint["draft_kind"] = config.draft_kind
     # the warm-up that takes effect: explicit steps, else the ratio (which explicit steps make irrelevant)
     fingerprint["warmup"] = ({"steps": config.warmup_steps} if config.warmup_steps is not None
                              else {"ratio": config.warmup_ratio})

@@ -74,10 +74,11 @@ def vocab_coverage(token_counts: dict, d2t: torch.Tensor) -> float:
 
 
 def draft_config(config: TrainJobConfig, tconfig, aux_layer_ids=None):
-    from eagle_core.draft import DraftConfig
+    from eagle_core.draft import DRAFT_KINDS, DraftConfig
 
     return DraftConfig.from_target(tconfig, draft_vocab_size=config.draft_vocab_size, ttt_steps=config.ttt_steps,
-                                   lm_head_init=config.lm_head_init, aux_layer_ids=aux_layer_ids)
+                                   lm_head_init=config.lm_head_init, aux_layer_ids=aux_layer_ids,
+                                   **DRAFT_KINDS[config.draft_kind])
 
 
 def count_trainable(config: TrainJobConfig, tconfig) -> int:
