@@ -121,7 +121,7 @@ def setting(ray_cluster, tmp_path_factory, tiny_target_dir):
     os.environ["EAGLE3_WORK"] = str(folder / "work")
     prompts = folder / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hello there", "What is 2 plus 3?")) + "\n")
-    base = dict(corpus=str(write_corpus(folder / "corpus.jsonl", 12)), work=str(folder / "retrain"),
+    base = dict(corpus=str(write_corpus(folder / "corpus.jsonl", 8)), work=str(folder / "retrain"),
                 target=str(tiny_target_dir), registered_model="retrain-test", eval_prompts=str(prompts),
                 eval_count=2, eval_max_new_tokens=6, eval_tree=TreeConfig(top_k=2, depth=2, total_tokens=3),
                 mlflow_experiment="retrain-test",
@@ -147,12 +147,12 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
 
     from pipelines import tracking
 
-    # Pass 1: scales 6 and 12 rows; a margin no draft can beat, so the first version (no champion yet) becomes
-    # champion and the second stays candidate.
-    first = run_retrain(RetrainConfig(**setting, scales=[6, 12], margin=1e9))
+    # Pass 1: scales 4 and 8 rows (two rows a shard); a margin no draft can beat, so the first version (no champion
+    # yet) becomes champion and the second stays candidate.
+    first = run_retrain(RetrainConfig(**setting, scales=[4, 8], margin=1e9))
     small, large = first["scales"]
-    assert (small["shards"], small["reused_shards"]) == (3, 0)
-    assert (large["shards"], large["reused_shards"]) == (6, 3)  # the 6-row prefix's shards were copied
+    assert (small["shards"], small["reused_shards"]) == (2, 0)
+    assert (large["shards"], large["reused_shards"]) == (4, 2)  # the 4-row prefix's shards were copied
     assert small["promoted"] and not large["promoted"]
     assert str(alias_version("retrain-test", CHAMPION).version) == str(small["version"])
     assert str(alias_version("retrain-test", CANDIDATE).version) == str(large["version"])
@@ -160,17 +160,17 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
     from eagle_core.checkpoint import load_draft
 
     drafts = Path(setting["work"]) / "drafts"
-    assert torch.equal(load_draft(drafts / "rows-12" / "draft").d2t, load_draft(drafts / "rows-6" / "draft").d2t)
+    assert torch.equal(load_draft(drafts / "rows-8" / "draft").d2t, load_draft(drafts / "rows-4" / "draft").d2t)
     # ... and reported how much of its data that kept vocabulary holds (the first scale built its own)
-    summaries = {rows: json.loads((drafts / f"rows-{rows}" / "summary.json").read_text()) for rows in (6, 12)}
-    assert [summaries[r]["draft_vocab_inherited"] for r in (6, 12)] == [False, True]
-    assert all(0 < summaries[r]["draft_vocab_coverage"] <= 1 for r in (6, 12))
-    assert summaries[12]["draft_vocab_coverage"] < 1  # the larger scale's new words are outside it
+    summaries = {rows: json.loads((drafts / f"rows-{rows}" / "summary.json").read_text()) for rows in (4, 8)}
+    assert [summaries[r]["draft_vocab_inherited"] for r in (4, 8)] == [False, True]
+    assert all(0 < summaries[r]["draft_vocab_coverage"] <= 1 for r in (4, 8))
+    assert summaries[8]["draft_vocab_coverage"] < 1  # the larger scale's new words are outside it
 
     client = MlflowClient(tracking.tracking_uri())
     experiment = client.get_experiment_by_name("retrain-test").experiment_id
     runs = child_runs(client, experiment, first["parent_run_id"])
-    assert sorted(r.data.params["rows"] for r in runs) == ["12", "6"]
+    assert sorted(r.data.params["rows"] for r in runs) == ["4", "8"]
     assert all("tau" in r.data.metrics for r in runs)
     for scale in (small, large):  # each decision tagged its version's tau and the dtype it was measured in
         tags = client.get_model_version("retrain-test", str(scale["version"])).tags
@@ -181,14 +181,14 @@ def test_scales_reuse_shards_and_promotion_follows_the_rule(setting):
 
     # Pass 2: the corpus grew, the same scales, and a margin every draft beats: nothing is extracted or trained again
     # (same versions and training runs; every shard already committed), and the candidate left by pass 1, evaluated
-    # again against the champion, is promoted. (Pass 2 also added a third scale, which reused the 12 rows' shards,
-    # until the suite had to fit 15 minutes: pass 1's larger scale shows the same reuse, by the same code.)
-    write_corpus(Path(setting["corpus"]), 16)
-    second = run_retrain(RetrainConfig(**setting, scales=[6, 12], margin=-1e9))
+    # again against the champion, is promoted. (Pass 2 also added a third scale, which reused the larger scale's
+    # shards, until the suite had to fit 15 minutes: pass 1's larger scale shows the same reuse, by the same code.)
+    write_corpus(Path(setting["corpus"]), 12)
+    second = run_retrain(RetrainConfig(**setting, scales=[4, 8], margin=-1e9))
     again_small, again_large = second["scales"]
     assert (again_small["version"], again_large["version"]) == (small["version"], large["version"])
     assert (again_small["train_run_id"], again_large["train_run_id"]) == (small["train_run_id"], large["train_run_id"])
-    assert again_large["reused_shards"] == 0 and again_large["shards"] == 6  # nothing new to copy: all committed
+    assert again_large["reused_shards"] == 0 and again_large["shards"] == 4  # nothing new to copy: all committed
     assert again_large["promoted"]
     assert str(alias_version("retrain-test", CHAMPION).version) == str(large["version"])
     assert len(child_runs(client, experiment, second["parent_run_id"])) == 2
