@@ -1,17 +1,17 @@
 """Prepacked CPU matmuls for the target's linear layers while our decoder runs it.
 
 Why (issue 55): at batch 1 a decode step is ~200 matrix-vector products, and on a CPU torch's linear hands each to
-its BLAS with the weight in its plain layout: in bf16 oneDNN reorders the weight into its blocked layout on every
-call, in fp32 MKL repacks it. Packed once (oneDNN's blocked layout for bf16, MKL's packed GEMM format for fp32: the
-kernels Inductor's freezing uses, and what vLLM's CPU backend does with its own oneDNN handle), the same products
-skip that work (`bench/results/vllm-cpu/`).
+its BLAS with the weight in its plain layout (in bf16 oneDNN reorders it into its blocked layout on every call). Packed once into
+oneDNN's blocked layout (the kernel Inductor's freezing uses; vLLM's CPU backend does the same with its own oneDNN
+handle), the same products skip that work and stream the weights faster: on this CPU a plain step of SmolLM2 runs
+1.18x faster in bf16 and 1.14x in fp32, the same tokens (`bench/results/cpu-speed/`; MKL's fp32 packs, tried
+first, gained nothing).
 
 `packed_linears(model)`: within it, every `nn.Linear` of `model` with a CPU weight in bf16 or fp32 runs on its
 packed weight. A pack is made once per weight, kept beside the module (a second copy of the weights), and made
 again when the weight changes in place (its version counter moves; an inference tensor has none). Outside the context the modules are untouched:
 transformers' own forward and `generate`, the reference decoding is held against, never run on a pack. The packed
-kernels have no autograd: under grad mode with an input or weight that requires grad, the plain linear runs. MKL's
-fp32 pack serves one batch size (1 row: a plain step); other shapes run the plain linear.
+kernels have no autograd: under grad mode with an input or weight that requires grad, the plain linear runs.
 """
 
 from __future__ import annotations
@@ -26,16 +26,12 @@ import torch.nn.functional as F
 _PACKS: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 _ACTIVE: dict[int, int] = {}  # id(model) -> nesting depth of its packed_linears contexts
 _LOCK = threading.Lock()
-# fp32: MKL packs for one row count (`torch.ops.mkl._mkl_linear` runs the plain product for any other).
-MKL_ROWS = 1
 
 
 def available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float32:
-        return torch.backends.mkl.is_available()
-    return False
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def _version(weight: torch.Tensor) -> int:
@@ -50,8 +46,7 @@ def _packed(linear: torch.nn.Linear) -> torch.Tensor:
         return got[1]
     with torch.no_grad():
         w = weight.detach()
-        pack = (torch.ops.mkldnn._reorder_linear_weight(w, 1) if w.dtype == torch.bfloat16
-                else torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_ROWS))
+        pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
     _PACKS[linear] = (_version(weight), pack)
     return pack
 
@@ -61,12 +56,7 @@ def packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias = linear.weight, linear.bias
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._linear_pointwise(x, _packed(linear), bias, "none", [], "")
-    rows = x.numel() // x.shape[-1]
-    if rows != MKL_ROWS:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkl._mkl_linear(x, _packed(linear), weight, bias, MKL_ROWS)
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(linear), bias, "none", [], "")
 
 
 def _linears(model) -> list[torch.nn.Linear]:
@@ -100,7 +90,7 @@ def packed_linears(model):
                     linear.__dict__.pop("forward", None)
 
 
-# The dtypes in which our decoder packs by default (`decode_kernels`); measured per dtype in bench/results/.
+# The dtypes in which our decoder packs by default (`decode_kernels`): both, measured (bench/results/cpu-speed/).
 DECODE_DTYPES: set[torch.dtype] = {torch.bfloat16, torch.float32}
 
 
