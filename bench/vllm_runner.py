@@ -80,6 +80,9 @@ class VllmRunner:
                     modes={"vllm": len(steps)} if steps else {"plain": rounds}, engine="vllm")
 
     def close(self) -> None:
+        from pipelines.engines.vllm import give_torch_its_threads_back
+
         for llm in self.engines.values():
             llm.llm_engine.engine_core.shutdown()
         self.engines = {}
+        give_torch_its_threads_back()

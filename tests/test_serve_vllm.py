@@ -79,27 +79,23 @@ def sdk(deployment):
 def vllm_plain(smollm2_tokenizer):
     """vLLM's own plain greedy continuation of each prompt's ids (completions: the text's ids; chat: the template's),
     from an offline engine without a speculator, in fp32, shut down before the module's requests are timed."""
-    import os
-
-    from vllm import LLM, SamplingParams
+    import torch
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle_core.chat import encode_prompt
     from eagle_core.target import materialize_hf_folder
-    from pipelines.engines.vllm import CPU_KV_CACHE_GIB, modules_vllm_can_scan
+    from pipelines.engines.vllm import OfflineLLM, other_in_process_engine
 
     prompts = {p: encode_prompt(smollm2_tokenizer, p) for p in PROMPTS}
     prompts["chat"] = encode_prompt(smollm2_tokenizer, CHAT)
-    folder = str(materialize_hf_folder("smollm2-135m"))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: nothing to orphan
-    with modules_vllm_can_scan():
-        llm = LLM(model=folder, tokenizer=folder, dtype="float32", enforce_eager=True, generation_config="vllm",
-                  max_model_len=512, kv_cache_memory_bytes=int(CPU_KV_CACHE_GIB * (1 << 30)), seed=0)
-    try:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts.values()],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    # The project's offline engine: its core in this process (nothing to orphan), closed on exit, and torch's
+    # set_num_threads given back after (vLLM's CPU worker replaces it process-wide: a later test in this process
+    # found its thread count stuck)
+    with OfflineLLM(materialize_hf_folder("smollm2-135m"), dtype="float32", max_model_len=512) as engine:
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts.values()],
+                                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    assert other_in_process_engine(None) or torch.set_num_threads is torch._C.set_num_threads
     return {key: smollm2_tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
             for key, out in zip(prompts, outs)}
 
