@@ -28,7 +28,7 @@ the Llama-3.1-8B-shaped draft (fp32 weights, bf16 autocast on CUDA, as the train
 bf16 features of 2k, 4k and 8k tokens: tokens/s and peak memory. An out-of-memory error is recorded for its
 length and the run goes on.
 
-Every timing waits for the GPU (`torch.cuda.synchronize`, through `eagle_core.decoding.clock`). A time budget
+Every timing waits for the GPU (`torch.cuda.synchronize`, through `eagle_core.timing.clock`). A time budget
 (`--budget-s`, from the start) is checked before each part; what it leaves out is listed under `skipped`. Writes
 one JSON file and its Markdown twin (default bench/results/gpu.json and gpu.md) with the command, the machine and
 the date inside. Exits 1 if a part failed with an error other than out-of-memory, after writing the file.
@@ -52,7 +52,8 @@ import torch
 from bench.common import RESULTS, command, machine, write_json, write_markdown
 from eagle_core import attention
 from eagle_core.autotune import draft_cases, target_forward_cases, timed
-from eagle_core.decoding import clock, plain_step, prefill
+from eagle_core.decoding import plain_step, prefill
+from eagle_core.timing import clock
 from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.kv import TargetKV, _cache_kwarg
 from eagle_core.static_kv import StaticKV

@@ -1,6 +1,6 @@
 """The decoding state of one batch and the steps that advance it: prefill, then plain, chain or tree rounds.
 
-Read top to bottom (gpt-fast style, each step a small function of explicit tensors): `clock`; `prefill`
+Read top to bottom (gpt-fast style, each step a small function of explicit tensors): `prefill`
 (prompts through the target), `draft_extend` / `draft_prefill` (committed target features into the
 draft's cache), `plain_step` (one token), `speculative_decode` (draft a tree -> verify it in one target
 forward -> keep the accepted path in both caches). Then `DecodingState`, which owns everything a batch
@@ -20,7 +20,6 @@ switch between them from one round to the next.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -54,14 +53,6 @@ def context_tensor(proposals: list[list[int]], device) -> torch.Tensor | None:
     if not width:
         return None
     return torch.tensor([p + [NO_TOKEN] * (width - len(p)) for p in proposals], device=device)
-
-
-def clock(device) -> float:
-    """Seconds (perf_counter) once the device's queued work is done: for benchmarks timing whole calls. Decoding,
-    the auto policy and the auto-tune use `eagle_core.timing` instead, which never waits for the device."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 # ---- the steps ---------------------------------------------------------------------------------------------

@@ -52,3 +52,11 @@ class CudaTimer(Timer):
 def timer_for(device) -> Timer:
     """The timer of a device: CUDA events on a GPU, perf_counter elsewhere."""
     return CudaTimer(device) if torch.device(device).type == "cuda" else Timer()
+
+
+def clock(device) -> float:
+    """Seconds (perf_counter) once the device's queued work is done: for benchmarks timing whole calls. Decoding,
+    the auto policy and the auto-tune use a `Timer` instead, which never waits for the device."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
