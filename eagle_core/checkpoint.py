@@ -95,16 +95,21 @@ def eagle3_config_from(cfg: DraftConfig, dtype_name: str) -> dict:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": to_engine_ids(ours, "sglang"),
                          "use_aux_hidden_state": True},
         "torch_dtype": dtype_name,
-        **eagle31_fields(cfg),
+        **draft_kind_fields(cfg),
         EXPORT_KEY: {"aux_layer_ids": ours, "conventions": dict(KEY_CONVENTIONS), "rule": AUX_ID_RULE},
         OUR_KEY: cfg.to_dict(),
     }
 
 
-def eagle31_fields(cfg: DraftConfig) -> dict:
-    """EAGLE 3.1's two switches as vLLM reads them (top-level `norm_before_fc`, `norm_output`), only where set: an
-    EAGLE-3 export's config stays as it was."""
-    return {key: True for key in ("norm_before_fc", "norm_output") if getattr(cfg, key)}
+def draft_kind_fields(cfg: DraftConfig) -> dict:
+    """The draft kind's keys as vLLM reads them, only where set (an EAGLE-3 export's config stays as it was): EAGLE
+    3.1's two switches (top-level `norm_before_fc`, `norm_output`); P-EAGLE's `mask_token_id`, and
+    `parallel_drafting`, which vLLM takes from its speculative config instead (`vllm_spec.speculative_config` reads
+    it here). P-EAGLE's `mask_hidden` is among the tensors."""
+    fields = {key: True for key in ("norm_before_fc", "norm_output") if getattr(cfg, key)}
+    if cfg.parallel_drafting:
+        fields.update(parallel_drafting=True, mask_token_id=cfg.mask_token_id)
+    return fields
 
 
 def eagle3_config_json(draft: Eagle3Draft, dtype: torch.dtype) -> dict:
@@ -146,7 +151,7 @@ def speculators_config_json(draft: Eagle3Draft, dtype: torch.dtype, verifier,
         "target_hidden_size": cfg.target_hidden_size,
         # vLLM assumes True for speculators checkpoints when the field is absent: it must be explicit.
         "norm_before_residual": False,
-        **eagle31_fields(cfg),
+        **draft_kind_fields(cfg),
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "speculators_config": {
             "algorithm": "eagle3",
@@ -229,6 +234,8 @@ def config_from_json(data: dict, convention: str | None = None) -> DraftConfig:
         # EAGLE 3.1, where vLLM looks for them (norm_before_fc also under eagle_config)
         norm_before_fc=bool((data.get("eagle_config") or {}).get("norm_before_fc", data.get("norm_before_fc"))),
         norm_output=bool(data.get("norm_output", False)),
+        parallel_drafting=bool(data.get("parallel_drafting", False)),
+        mask_token_id=data.get("mask_token_id") if data.get("parallel_drafting") else None,
     )
 
 

@@ -28,7 +28,9 @@ from eagle_core.recipe import REFERENCE
 
 LM_HEAD_INITS = ("random", "target")
 # The draft kinds a training job can build (`--draft-kind`): their DraftConfig switches.
-DRAFT_KINDS = {"eagle3": {}, "eagle3.1": {"norm_before_fc": True, "norm_output": True}}
+# P-EAGLE: every depth of a round drafted in one forward (`parallel_drafting`; see DraftConfig).
+DRAFT_KINDS = {"eagle3": {}, "eagle3.1": {"norm_before_fc": True, "norm_output": True},
+               "p-eagle": {"parallel_drafting": True}}
 
 
 @dataclass
@@ -62,6 +64,12 @@ class DraftConfig:
     # head, which then applies no second norm). False, False: EAGLE-3 as vLLM, SGLang and SpecForge run it.
     norm_before_fc: bool = False
     norm_output: bool = False
+    # P-EAGLE (vLLM: `parallel_drafting`, `mask_token_id`, the `mask_hidden` tensor): depths 2.. of a round are drafted
+    # in the same forward as depth 1, each at its own position, fed the embedding of `mask_token_id` (the target's,
+    # frozen) and a learned feature vector `mask_hidden` (3 x target hidden, fused by `fc` like the target's) in
+    # place of a token and of the previous depth's hidden state.
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None
     target_num_hidden_layers: int | None = None  # lets a loader check aux_layer_ids against a target
     extra: dict = field(default_factory=dict)  # free-form lineage (target name, training run, ...)
 
@@ -79,6 +87,10 @@ class DraftConfig:
             raise ValueError("lm_head_init='target' needs hidden_size == target_hidden_size")
         if self.ttt_steps < 1:
             raise ValueError("ttt_steps must be >= 1")
+        if self.parallel_drafting and self.mask_token_id is None:
+            self.mask_token_id = 0  # any id serves: the learned mask_hidden tells a mask slot from a real one
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.target_vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocab")
         rotary_embedding(self)  # fail now on an unsupported rope_scaling, not at the first forward
 
     @property
@@ -262,6 +274,8 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         if cfg.norm_before_fc:  # EAGLE 3.1; vLLM's key is `input_norm.weight` too
             self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.parallel_drafting:  # P-EAGLE; vLLM's key is `mask_hidden` too
+            self.mask_hidden = nn.Parameter(torch.empty(3 * cfg.target_hidden_size))
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -293,6 +307,8 @@ class Eagle3Draft(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
+        if self.config.parallel_drafting:
+            nn.init.normal_(self.mask_hidden, mean=0.0, std=1.0)  # the scale of a target feature, not a weight's
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
@@ -361,6 +377,12 @@ class Eagle3Draft(nn.Module):
         if self.config.norm_before_fc:
             aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
+
+    def mask_inputs(self, b: int, s: int):
+        """P-EAGLE's mask slots: (hidden [b, s, H] = fuse(mask_hidden), ids [b, s] = mask_token_id)."""
+        hidden = self.fuse(self.mask_hidden).expand(b, s, -1)
+        ids = torch.full((b, s), self.config.mask_token_id, dtype=torch.long, device=hidden.device)
+        return hidden, ids
 
     def rope(self, position_ids, dtype):
         # position_ids: [B, S] -> cos, sin: [B, 1, S, head_dim], computed in float32 by transformers' rotary code

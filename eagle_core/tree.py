@@ -223,7 +223,12 @@ def _grow(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, co
     k = config.top_k
     b = root.shape[0]
     device = root.device
-    scores, tokens = _topk_logprobs(draft, root_hidden, k)  # [B, 1, k]
+    if draft.config.parallel_drafting:  # P-EAGLE: every depth's choices from one forward, whatever the parent
+        depth_scores, depth_tokens = _topk_logprobs(draft, parallel_depths(draft, dkv, root_hidden, config.depth,
+                                                                           past_width), k)  # [B, depth, k]
+        scores, tokens = depth_scores[:, :1], depth_tokens[:, :1]
+    else:
+        scores, tokens = _topk_logprobs(draft, root_hidden, k)  # [B, 1, k]
     # Candidates, in creation order (a parent always precedes its children). Parent id 0 = root,
     # candidate c has id c + 1.
     cand_scores, cand_tokens = [scores[:, 0]], [tokens[:, 0]]
@@ -238,12 +243,14 @@ def _grow(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, co
     for level in range(1, config.depth):
         # front_*: [B, k]; this level's entries sit at draft position root - 1 + level, in cache slots after
         # the committed ones and the earlier levels' entries.
-        position_ids = (dkv.lengths[:, None] + (level - 1)).expand(b, k)
-        new_mask = torch.cat([front_anc, eye], dim=-1)  # [B, k, E+k] over tree entries so far + new
-        mask = dkv.attention_mask(past_width, new_mask)  # [B, 1, k, P+E+k] (or the static cache's slots)
-        out, _ = draft(front_hidden, front_tokens, position_ids, attention_mask=mask, past_kv=dkv)
-
-        child_scores, child_tokens = _topk_logprobs(draft, out, k)  # [B, k, k]
+        if draft.config.parallel_drafting:
+            child_scores, child_tokens = (x[:, level:level + 1].expand(b, k, k) for x in (depth_scores, depth_tokens))
+        else:
+            position_ids = (dkv.lengths[:, None] + (level - 1)).expand(b, k)
+            new_mask = torch.cat([front_anc, eye], dim=-1)  # [B, k, E+k] over tree entries so far + new
+            mask = dkv.attention_mask(past_width, new_mask)  # [B, 1, k, P+E+k] (or the static cache's slots)
+            out, _ = draft(front_hidden, front_tokens, position_ids, attention_mask=mask, past_kv=dkv)
+            child_scores, child_tokens = _topk_logprobs(draft, out, k)  # [B, k, k]
         child_scores = (front_scores[:, :, None] + child_scores).reshape(b, k * k)
         child_tokens = child_tokens.reshape(b, k * k)
         cand_scores.append(child_scores)
@@ -258,12 +265,29 @@ def _grow(draft, dkv: DraftKV, root_hidden: torch.Tensor, root: torch.Tensor, co
         slot = pick // k  # which entry of this level is the parent
         front_tokens = child_tokens.gather(1, pick)
         front_ids = child_ids.gather(1, pick)
+        if draft.config.parallel_drafting:
+            continue  # no entry of this level is fed to the draft
         front_hidden = out.gather(1, slot[:, :, None].expand(b, k, out.shape[-1]))
         parent_anc = front_anc.gather(1, slot[:, :, None].expand(b, k, front_anc.shape[-1]))
         front_anc = torch.cat([parent_anc, torch.nn.functional.one_hot(slot, k).bool()], dim=-1)
 
     return _rerank(root, torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
                    config.size)
+
+
+def parallel_depths(draft, dkv: DraftKV, root_hidden: torch.Tensor, depth: int, past_width: int) -> torch.Tensor:
+    """P-EAGLE: the hidden states [B, depth, H] whose heads give depths 1..depth of a round: the root's, then those
+    of depth - 1 mask slots (`Eagle3Draft.mask_inputs`) at the next positions, drafted in one forward that attends
+    to the committed prefix and causally among themselves (TTT's step k at column t, `eagle_core.ttt`)."""
+    if depth == 1:
+        return root_hidden
+    b, n = root_hidden.shape[0], depth - 1
+    hidden, ids = draft.mask_inputs(b, n)
+    position_ids = dkv.lengths[:, None] + torch.arange(n, device=root_hidden.device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=root_hidden.device).tril().expand(b, n, n)
+    out, _ = draft(hidden.to(root_hidden.dtype), ids, position_ids, attention_mask=dkv.attention_mask(past_width, causal),
+                   past_kv=dkv)
+    return torch.cat([root_hidden, out], dim=1)
 
 
 def _rerank(root, scores, tokens, parents, size: int) -> Tree:

@@ -5,6 +5,8 @@ Shapes: B batch, L sequence, H draft hidden, K `ttt_steps`, Vd `draft_vocab_size
 What step k sees at column t (t = 0..L-1):
     step 0: hidden = fc(aux features of position t), token x[t+1], rotary position p(t)
     step k: hidden = the draft's own step-(k-1) output at column t, token x[t+k+1], position p(t) + k
+            (P-EAGLE, `parallel_drafting`: hidden = fc(mask_hidden), token mask_token_id, position p(t) + k: what
+            its mask slots hold when a round drafts every depth in one forward)
     it predicts x[t+k+2]: target = softmax of the target's logits at position t+k+1, restricted to the
     draft vocab and renormalised; the position counts when loss_mask[t+k+2] is set.
 Attention of step k at column t: the step-0 keys of columns s <= t (causal, padding removed; in a packed row only
@@ -163,7 +165,10 @@ def ttt_forward(
     k0 = v0 = None
     diag_k, diag_v, results = [], [], []
     for k in range(K):
-        q, kk, vv, residual = draft.project_qkv(hidden, shift_tokens(input_ids, k + 1), positions + k)
+        ids = shift_tokens(input_ids, k + 1)
+        if k and draft.config.parallel_drafting:  # P-EAGLE: deeper steps are mask slots, not the previous output
+            hidden, ids = draft.mask_inputs(B, L)
+        q, kk, vv, residual = draft.project_qkv(hidden, ids, positions + k)
         kk, vv = repeat_kv(kk, n_rep), repeat_kv(vv, n_rep)
         if k == 0:
             k0, v0 = kk, vv

@@ -43,11 +43,12 @@ def ttt_forward_naive(draft, input_ids, loss_mask, aux_hidden, target_last_hidde
     results = []
     for k in range(K):
         seq_hidden = torch.cat(hiddens, dim=1)  # [B, (k+1)L, H]
-        seq_ids = torch.cat([shift_tokens(input_ids, j + 1) for j in range(k + 1)], dim=1)
+        seq_ids = torch.cat([shift_tokens(input_ids, j + 1) if j == 0 or not draft.config.parallel_drafting
+                             else draft.mask_inputs(B, L)[1] for j in range(k + 1)], dim=1)
         seq_pos = torch.cat([positions + j for j in range(k + 1)], dim=1)
         out, _ = draft(seq_hidden, seq_ids, seq_pos, attention_mask=naive_ttt_mask(attention_mask, k + 1))
         hidden = out[:, k * L:]
-        hiddens.append(hidden)
+        hiddens.append(draft.mask_inputs(B, L)[0] if draft.config.parallel_drafting else hidden)
         logits = draft.compute_logits(hidden)
         # Logits are kept only on request: 7 x [B, L, 32000] float32 is gigabytes at long L.
         results.append((logits if return_logits else None,

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lm-head-init", choices=LM_HEAD_INITS, default=d.lm_head_init,
                    help="random (SpecForge) or the target's lm_head rows (needs draft hidden == target hidden)")
     t.add_argument("--draft-kind", choices=sorted(DRAFT_KINDS), default=d.draft_kind,
-                   help="eagle3, or eagle3.1 (target features normalised before fc, each step's post-norm state fed "
-                        "to the next; vLLM reads it as norm_before_fc / norm_output)")
+                   help="eagle3; eagle3.1 (target features normalised before fc, each step's post-norm state fed "
+                        "to the next; vLLM reads it as norm_before_fc / norm_output); p-eagle (every depth drafted "
+                        "in one forward from mask slots; vLLM's parallel_drafting)")
     t.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="held-out conversations")
     t.add_argument("--seed", type=int, default=d.seed, help="draft init and data order")
     t.add_argument("--log-every", type=int, default=d.log_every, help="progress line every N steps")

@@ -65,7 +65,7 @@ class DistillConfig:
     heldout: int = option(48, "the first usable conversations, set aside for evaluation and never trained on")
     lm_head_init: str = option("target", "draft lm_head init: 'target' (the target's rows, trainable: a head that "
                                          "starts where the target is) or 'random'")
-    draft_kind: str = option("eagle3", "eagle3, or eagle3.1 (EAGLE 3.1's two norms: eagle_core.draft.DRAFT_KINDS)")
+    draft_kind: str = option("eagle3", "eagle3, eagle3.1 (EAGLE 3.1's two norms) or p-eagle (parallel drafting): eagle_core.draft.DRAFT_KINDS")
     checkpoint_every: int = option(50, "evaluate and save state + draft every N steps")
     threads: int | None = option(None, "torch threads (default: torch's choice)")
     autocast: str = option("auto", "'auto': bf16 autocast where the CPU (or GPU) has native bf16; 'off'")

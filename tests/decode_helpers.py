@@ -7,9 +7,9 @@ from eagle_core.draft import DraftConfig, Eagle3Draft
 from eagle_core.target import make_tiny_llama
 
 
-def random_draft(target, draft_vocab_size: int, seed: int = 0) -> Eagle3Draft:
-    """A random-weight draft (its proposals are noise: acceptance is mostly 0)."""
-    config = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab_size)
+def random_draft(target, draft_vocab_size: int, seed: int = 0, **kind) -> Eagle3Draft:
+    """A random-weight draft (its proposals are noise: acceptance is mostly 0); `kind`: DraftConfig switches."""
+    config = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab_size, **kind)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         draft = Eagle3Draft(config, target_embed_weight=target.get_input_embeddings().weight)
@@ -19,7 +19,7 @@ def random_draft(target, draft_vocab_size: int, seed: int = 0) -> Eagle3Draft:
     return draft.to(target.dtype).eval()
 
 
-def echo_draft(target) -> Eagle3Draft:
+def echo_draft(target, **kind) -> Eagle3Draft:
     """A hand-set draft that proposes "the root token again" with the target's own output embedding.
 
     fc passes the target's first aux layer through, the midlayer adds nothing (o_proj, down_proj = 0) and
@@ -28,7 +28,7 @@ def echo_draft(target) -> Eagle3Draft:
     (tau well above 1), which the lossless tests need to exercise multi-token acceptance.
     """
     h = target.config.hidden_size
-    config = DraftConfig.from_target(target.config, draft_vocab_size=target.config.vocab_size)
+    config = DraftConfig.from_target(target.config, draft_vocab_size=target.config.vocab_size, **kind)
     emb = target.get_input_embeddings().weight
     draft = Eagle3Draft(config, target_embed_weight=emb).to(target.dtype)
     with torch.no_grad():

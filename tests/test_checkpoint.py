@@ -117,6 +117,46 @@ def test_an_eagle31_draft_exports_its_switches_and_norm_where_vllm_reads_them(ti
     assert not {"norm_before_fc", "norm_output"} & set(json.loads((tmp_path / "plain" / "config.json").read_text()))
 
 
+def _depth_logits(draft, steps=3):
+    """The heads of a P-EAGLE round's depths (`tree.parallel_depths`) after a 7-token prefix."""
+    from eagle_core.kv import DraftKV
+    from eagle_core.tree import parallel_depths
+
+    g = torch.Generator().manual_seed(3)
+    aux = torch.randn(1, 7, 3 * draft.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, draft.config.target_vocab_size, (1, 7), generator=g)
+    with torch.no_grad():
+        dkv = DraftKV(1, aux.device)
+        out, _ = draft(draft.fuse(aux), ids, torch.arange(7)[None], past_kv=dkv)
+        dkv.lengths = torch.full((1,), 7)
+        return draft.compute_logits(parallel_depths(draft, dkv, out[:, -1:], steps, dkv.width))
+
+
+def test_a_p_eagle_draft_exports_its_mask_where_vllm_reads_it(tiny_target, tmp_path):
+    """P-EAGLE (issue 55): `mask_hidden` among the tensors, `mask_token_id` and `parallel_drafting` at the top of
+    config.json; read back from our block and from the engine fields alone to the same depth logits; vLLM's
+    speculative config for the folder asks for parallel drafting, and an EAGLE-3 folder's does not."""
+    from pipelines.engines.vllm_spec import speculative_config
+
+    draft = _trained_looking_draft(tiny_target, parallel_drafting=True, mask_token_id=7)
+    save_draft(draft, tmp_path / "d")
+    export_speculators(draft, tmp_path / "s", verifier="tiny-llama")
+    assert set(_keys(tmp_path / "d" / "model.safetensors")) == EXPORT_KEYS | {"mask_hidden"}
+    for folder in ("d", "s"):
+        cfg = json.loads((tmp_path / folder / "config.json").read_text())
+        assert (cfg["parallel_drafting"], cfg["mask_token_id"]) == (True, 7)
+        assert torch.equal(_depth_logits(load_draft(tmp_path / folder, target=tiny_target)), _depth_logits(draft))
+    path = tmp_path / "d" / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["eagle3_pipeline"]
+    path.write_text(json.dumps(cfg))
+    loaded = load_draft(tmp_path / "d", target=tiny_target)
+    assert loaded.config.mask_token_id == 7 and torch.equal(_depth_logits(loaded), _depth_logits(draft))
+    assert speculative_config(str(tmp_path / "d"), 3)["parallel_drafting"] is True
+    save_draft(_trained_looking_draft(tiny_target), tmp_path / "plain")
+    assert "parallel_drafting" not in speculative_config(str(tmp_path / "plain"), 3)
+
+
 def test_own_embeddings_are_saved_when_hidden_differs(tiny_target, tmp_path):
     draft = _trained_looking_draft(tiny_target, hidden_size=32, intermediate_size=64)
     save_draft(draft, tmp_path / "d")

@@ -48,6 +48,36 @@ def test_speculative_greedy_is_lossless(target, damped, prompts, config, which):
         assert max(s.tau for s in spec.stats) > 1.5
 
 
+@pytest.mark.parametrize("config", [TreeConfig(4, 4, 16), TreeConfig.chain(4)], ids=str)
+@pytest.mark.parametrize("which", ["random", "echo"])
+def test_p_eagle_drafts_every_depth_in_one_forward_and_stays_lossless(target, damped, prompts, config, which):
+    """A P-EAGLE draft (`parallel_drafting`): greedy tokens equal plain greedy in a batch of ragged rows, and a round
+    calls the draft once past its root (the mask slots' forward), however deep the tree; the static caches accept
+    what the eager ones do."""
+    model = target if which == "random" else damped
+    kind = dict(parallel_drafting=True, mask_token_id=3)
+    draft = random_draft(model, 300, **kind) if which == "random" else echo_draft(model, **kind)
+    calls = []
+    hook = draft.register_forward_hook(lambda module, args, out: calls.append(
+        "mask" if bool((args[1] == 3).all()) and args[1].shape[1] == config.depth - 1 else "other"))
+    try:
+        spec = generate(model, prompts, draft=draft, tree=config, mode="tree", max_new_tokens=24)
+    finally:
+        hook.remove()
+    assert spec.tokens == generate(model, prompts, max_new_tokens=24).tokens
+    rounds = max(s.rounds for s in spec.stats)
+    # per round: one forward over depth - 1 mask slots, one over the committed tokens; + the prefill's
+    assert calls.count("mask") == rounds and len(calls) == 2 * rounds + 1, (rounds, calls)
+    if which == "echo":  # depth 1 is the echo draft's: tokens get accepted
+        assert max(s.tau for s in spec.stats) > 1.3
+        from eagle_core.static_rows import StaticConfig  # the static caches draft it the same way
+
+        static = generate(model, prompts, draft=draft, tree=config, mode="tree", max_new_tokens=24,
+                          static=StaticConfig(capacity=256))
+        assert static.tokens == spec.tokens
+        assert [s.accept_lengths for s in static.stats] == [s.accept_lengths for s in spec.stats]
+
+
 @pytest.mark.parametrize("config", [TreeConfig(4, 4, 16), TreeConfig.chain(3)], ids=str)
 @pytest.mark.parametrize("which", ["random", "echo"])
 def test_seeded_speculative_sampling_equals_plain_sampling(target, damped, prompts, config, which):

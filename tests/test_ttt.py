@@ -48,8 +48,10 @@ def _run(fn, draft, batch, target, steps):
     return out, grads
 
 
-# EAGLE-3, and EAGLE 3.1 (features normalised before fc, each step's post-norm state fed to the next)
-VARIANTS = {"eagle3": {}, "eagle3.1": dict(norm_before_fc=True, norm_output=True)}
+# EAGLE-3, EAGLE 3.1 (features normalised before fc, each step's post-norm state fed to the next), P-EAGLE (deeper
+# steps fed mask slots)
+VARIANTS = {"eagle3": {}, "eagle3.1": dict(norm_before_fc=True, norm_output=True),
+            "p-eagle": dict(parallel_drafting=True, mask_token_id=5)}
 
 
 def _variant(draft):
@@ -78,6 +80,7 @@ def test_efficient_ttt_matches_naive(tiny_target, padding, variant):
         torch.testing.assert_close(a, b, **tol)
     assert fast_grads.keys() == slow_grads.keys() and "fc.weight" in fast_grads
     assert ("input_norm.weight" in fast_grads) == (variant == "eagle3.1")
+    assert ("mask_hidden" in fast_grads) == (variant == "p-eagle")
     for name in fast_grads:
         torch.testing.assert_close(fast_grads[name], slow_grads[name], **tol, msg=name)
 
@@ -354,7 +357,7 @@ def test_resumed_training_equals_uninterrupted(tiny_target, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
 def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target, variant):
     """Train == serve: TTT step k at column t is what the draft computes when it drafts k tokens past t.
 
@@ -378,6 +381,32 @@ def test_ttt_step_equals_chain_drafting_with_the_kv_cache(tiny_target, variant):
             # depth k+1 sits at position t+k+1 and is fed token x[t+k+2] (teacher forcing, as in TTT)
             hidden, new = draft(hidden, ids[:, t + k + 2:t + k + 3], torch.full((B, 1), t + k + 1), past_kv=past)
             past = tuple(torch.cat(p, dim=2) for p in zip(past, new))
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_p_eagle_ttt_step_equals_the_decoders_one_forward_over_mask_slots(tiny_target, norms):
+    """Train == serve for P-EAGLE: TTT step k at column t is what the decoder's drafting (`tree.parallel_depths`)
+    computes for depth k + 1 when the committed prefix ends at t: the root's output, then one forward over mask slots
+    at positions t+1.. that attend to the prefix and causally among themselves. Checked with a mask token and a mask
+    feature that differ from the fed tokens and features (a slot fed the real token would not match)."""
+    from eagle_core.kv import DraftKV
+    from eagle_core.tree import parallel_depths
+
+    batch = _batch(tiny_target, "none")
+    draft = _variant(_draft(tiny_target, **VARIANTS["p-eagle"], norm_before_fc=norms, norm_output=norms)).eval()
+    head = tiny_target.get_output_embeddings().weight
+    steps, t = 4, 5
+    with torch.no_grad():
+        out = ttt_forward(draft, batch["input_ids"], batch["loss_mask"], batch["aux_hidden"], batch["last_hidden"],
+                          head, ttt_steps=steps, return_logits=True)
+        dkv = DraftKV(B, batch["input_ids"].device)
+        pos = torch.arange(t + 1).expand(B, -1)
+        hidden, _ = draft(draft.fuse(batch["aux_hidden"][:, :t + 1]), batch["input_ids"][:, 1:t + 2], pos,
+                          past_kv=dkv)
+        dkv.lengths = torch.full((B,), t + 1)
+        depths = parallel_depths(draft, dkv, hidden[:, -1:], steps, dkv.width)
+        for k in range(steps):
+            torch.testing.assert_close(draft.compute_logits(depths[:, k]), out.logits[k][:, t], rtol=1e-4, atol=1e-5)
 
 
 def test_a_batch_that_cannot_train_the_draft_is_refused_before_the_step_by_name(tiny_target):

@@ -20,7 +20,23 @@ def speculative_config(draft_folder: str, num_speculative_tokens: int) -> dict:
     """vLLM's `speculative_config` for an exported draft folder (our `save_draft` layout, which vLLM reads)."""
     if num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-    return {"method": "eagle3", "model": str(draft_folder), "num_speculative_tokens": int(num_speculative_tokens)}
+    config = {"method": "eagle3", "model": str(draft_folder), "num_speculative_tokens": int(num_speculative_tokens)}
+    if _draft_json(draft_folder).get("parallel_drafting"):  # a P-EAGLE draft: every depth in one forward
+        config["parallel_drafting"] = True
+    return config
+
+
+def _draft_json(draft_folder) -> dict:
+    """The draft folder's config.json (any fsspec URL; {} where there is none to read here)."""
+    import json
+
+    import fsspec
+
+    try:
+        with fsspec.open(f"{str(draft_folder).rstrip('/')}/config.json", "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 @dataclass

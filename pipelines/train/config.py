@@ -90,7 +90,7 @@ class TrainJobConfig:
     step_decay: float = TrainConfig.step_decay
     draft_vocab_size: int = DraftConfig.draft_vocab_size
     lm_head_init: str = DraftConfig.lm_head_init
-    draft_kind: str = "eagle3"  # eagle_core.draft.DRAFT_KINDS: "eagle3", or "eagle3.1" (EAGLE 3.1's two norms)
+    draft_kind: str = "eagle3"  # eagle_core.draft.DRAFT_KINDS: "eagle3", "eagle3.1" (two norms), "p-eagle"
     eval_fraction: float = 0.05
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
