@@ -114,7 +114,8 @@ def test_plan_is_independent_of_world_size():
 
 
 def test_the_draft_kind_builds_its_draft_and_enters_the_fingerprint_only_where_set(tiny_target_dir, tmp_path):
-    """`--draft-kind eagle3.1` (issue 55): the job's draft has EAGLE 3.1's two norms; an unknown kind is refused by
+    """`--draft-kind eagle3.1` / `p-eagle` (issue 55): the job's draft has EAGLE 3.1's two norms / P-EAGLE's parallel
+    drafting; an unknown kind is refused by
     name; the kind enters the training fingerprint only where it is not eagle3 (earlier outputs keep theirs)."""
     from transformers import AutoConfig
 
@@ -125,11 +126,13 @@ def test_the_draft_kind_builds_its_draft_and_enters_the_fingerprint_only_where_s
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]}) + "\n")
     kinds = {}
-    for kind in ("eagle3", "eagle3.1"):
+    for kind in ("eagle3", "eagle3.1", "p-eagle"):
         config = TrainJobConfig(features=None, corpus=str(corpus), target=str(tiny_target_dir), draft_kind=kind)
         cfg = draft_config(config, tconfig, [1, 2, 3])
-        kinds[kind] = ((cfg.norm_before_fc, cfg.norm_output), training_fingerprint(config).get("draft_kind"))
-    assert kinds == {"eagle3": ((False, False), None), "eagle3.1": ((True, True), "eagle3.1")}
+        kinds[kind] = ((cfg.norm_before_fc, cfg.norm_output, cfg.parallel_drafting),
+                       training_fingerprint(config).get("draft_kind"))
+    assert kinds == {"eagle3": ((False, False, False), None), "eagle3.1": ((True, True, False), "eagle3.1"),
+                     "p-eagle": ((False, False, True), "p-eagle")}
     with pytest.raises(ValueError, match="draft_kind must be one of"):
         TrainJobConfig(features="x", draft_kind="eagle4")
 
