@@ -1,11 +1,15 @@
 """Prepacked CPU matmuls for the target's linear layers while our decoder runs it.
 
 Why (issue 55): at batch 1 a decode step is ~200 matrix-vector products, and on a CPU torch's linear hands each to
-its BLAS with the weight in its plain layout (in bf16 oneDNN reorders it into its blocked layout on every call). Packed once into
-oneDNN's blocked layout (the kernel Inductor's freezing uses; vLLM's CPU backend does the same with its own oneDNN
-handle), the same products skip that work and stream the weights faster: on this CPU a plain step of SmolLM2 runs
-1.18x faster in bf16 and 1.14x in fp32, the same tokens (`bench/results/cpu-speed/`; MKL's fp32 packs, tried
-first, gained nothing).
+its BLAS with the weight in its plain layout (in bf16 oneDNN reorders it into its blocked layout on every call).
+Packed once, the same products skip that work and stream the weights faster. Two packs, the first available:
+- vLLM's CPU kernels (`onednn_mm`: a oneDNN matmul primitive over its own copy of the weight, what vLLM's CPU
+  backend runs its linears on), where vLLM's CPU build is installed (`make setup` installs it): its library is
+  loaded as a torch op library, without importing vLLM (`vllm_kernels`). On this CPU the 210 products of a
+  SmolLM2 step ran in 21 ms against 39 ms for torch's linear (fp32; bf16 11 against 23), and our plain loop 1.14x
+  (fp32) / 1.16x (bf16) faster than on torch's packs, the same tokens (`bench/results/cpu-speed/`);
+- torch's own oneDNN pack (`mkldnn._reorder_linear_weight`, the kernel Inductor's freezing uses): 1.13x over the
+  plain linear on the same step (MKL's fp32 packs, tried first, gained nothing).
 
 `packed_linears(model)`: within it, every `nn.Linear` of `model` with a CPU weight in bf16 or fp32 runs on its
 packed weight. A pack is made once per weight, kept beside the module (a second copy of the weights), and made
@@ -17,13 +21,18 @@ kernels have no autograd: under grad mode with an input or weight that requires 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+import logging
 import threading
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_PACKS: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+log = logging.getLogger(__name__)
+_PACKS: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, object]]" = weakref.WeakKeyDictionary()
 _ACTIVE: dict[int, int] = {}  # id(model) -> nesting depth of its packed_linears contexts
 _LOCK = threading.Lock()
 
@@ -32,6 +41,52 @@ def available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class OneDNNHandle:
+    """A weight packed by vLLM's CPU kernels (`onednn_mm`: a oneDNN matmul primitive over its own copy of the weight,
+    its primitives cached per row count), released with this object."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.n, self.k = weight.shape
+        self.handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), 32), dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty((*x.shape[:-1], self.n), dtype=x.dtype)
+        torch.ops._C.onednn_mm(out, x.reshape(-1, self.k), bias, self.handle)
+        return out
+
+    def __del__(self):
+        torch.ops._C.release_dnnl_matmul_handler(int(self.handle))
+
+
+# Whether packs use vLLM's oneDNN kernels where they are installed (`vllm_kernels`); False: torch's own packs.
+USE_VLLM_KERNELS = True
+
+
+@functools.cache
+def vllm_kernels() -> bool:
+    """Loads vLLM's CPU kernel library (the build vLLM itself loads on this CPU: avx512_bf16, avx512 or AVX2) as a
+    torch op library, without importing vLLM (8 ms, against ~7 s for `import vllm`), where vLLM's CPU build is
+    installed; True where its `onednn_mm` is there to use."""
+    if hasattr(torch.ops._C, "onednn_mm"):  # vLLM, or an earlier call, loaded it
+        return True
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None or torch.cuda.is_available():
+        return False
+    if torch.cpu._is_avx512_supported():
+        name = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        name = "_C_AVX2"
+    library = next(Path(spec.origin).parent.glob(f"{name}.*so"), None)
+    if library is None:
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:  # a CUDA build of vLLM, a library built for another torch: torch's packs serve
+        log.info("vLLM's CPU kernels did not load (%s); torch's packed linear serves", e)
+        return False
+    return hasattr(torch.ops._C, "onednn_mm")
 
 
 def _version(weight: torch.Tensor) -> int:
@@ -46,7 +101,10 @@ def _packed(linear: torch.nn.Linear) -> torch.Tensor:
         return got[1]
     with torch.no_grad():
         w = weight.detach()
-        pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        if USE_VLLM_KERNELS and vllm_kernels():
+            pack = OneDNNHandle(w)
+        else:
+            pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
     _PACKS[linear] = (_version(weight), pack)
     return pack
 
@@ -56,7 +114,10 @@ def packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias = linear.weight, linear.bias
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed(linear), bias, "none", [], "")
+    pack = _packed(linear)
+    if isinstance(pack, OneDNNHandle):
+        return pack(x, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, pack, bias, "none", [], "")
 
 
 def _linears(model) -> list[torch.nn.Linear]:

@@ -13,11 +13,17 @@ from eagle_core.packed_linear import available, packed_linears
 from eagle_core.target import make_tiny_llama
 
 
+@pytest.mark.parametrize("kernels", ["vllm", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_packed_products_equal_the_plain_linear(dtype, rows):
+def test_packed_products_equal_the_plain_linear(dtype, rows, kernels, monkeypatch):
+    """Both packs: vLLM's oneDNN handle (where vLLM's CPU build is installed, as `make setup` installs it here) and
+    torch's own."""
     if not available(dtype):
         pytest.skip(f"no packed CPU kernel for {dtype} in this torch build")
+    if kernels == "vllm" and not packed_linear.vllm_kernels():
+        pytest.skip("vLLM's CPU build is not installed")
+    monkeypatch.setattr(packed_linear, "USE_VLLM_KERNELS", kernels == "vllm")
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.Linear(160, 48, bias=False)).to(dtype)
     x = torch.randn(2, rows, 96, generator=g).to(dtype)
@@ -26,6 +32,8 @@ def test_packed_products_equal_the_plain_linear(dtype, rows):
         with packed_linears(model):
             assert all("forward" in m.__dict__ for m in model)  # the packs are in use
             packed = model(x)
+            kind = packed_linear.OneDNNHandle if kernels == "vllm" else torch.Tensor
+            assert all(isinstance(packed_linear._PACKS[m][1], kind) for m in model)
     assert all("forward" not in m.__dict__ for m in model)  # and the modules their own again
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(packed, plain, **tolerance)
