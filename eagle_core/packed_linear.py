@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-_PACKS: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, object]]" = weakref.WeakKeyDictionary()
+# Per kind of pack ("vllm", "torch"): linear -> (the weight's version when packed, its pack)
+_PACKS: "dict[str, weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, object]]]" = {
+    "vllm": weakref.WeakKeyDictionary(), "torch": weakref.WeakKeyDictionary()}
 _ACTIVE: dict[int, int] = {}  # id(model) -> nesting depth of its packed_linears contexts
 _LOCK = threading.Lock()
 
@@ -96,16 +98,14 @@ def _version(weight: torch.Tensor) -> int:
 
 def _packed(linear: torch.nn.Linear) -> torch.Tensor:
     weight = linear.weight
-    got = _PACKS.get(linear)
+    packs = _PACKS["vllm" if USE_VLLM_KERNELS and vllm_kernels() else "torch"]
+    got = packs.get(linear)
     if got is not None and got[0] == _version(weight):
         return got[1]
     with torch.no_grad():
         w = weight.detach()
-        if USE_VLLM_KERNELS and vllm_kernels():
-            pack = OneDNNHandle(w)
-        else:
-            pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    _PACKS[linear] = (_version(weight), pack)
+        pack = OneDNNHandle(w) if packs is _PACKS["vllm"] else torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    packs[linear] = (_version(weight), pack)
     return pack
 
 

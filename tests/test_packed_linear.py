@@ -33,7 +33,7 @@ def test_packed_products_equal_the_plain_linear(dtype, rows, kernels, monkeypatc
             assert all("forward" in m.__dict__ for m in model)  # the packs are in use
             packed = model(x)
             kind = packed_linear.OneDNNHandle if kernels == "vllm" else torch.Tensor
-            assert all(isinstance(packed_linear._PACKS[m][1], kind) for m in model)
+            assert all(isinstance(packed_linear._PACKS[kernels][m][1], kind) for m in model)
     assert all("forward" not in m.__dict__ for m in model)  # and the modules their own again
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(packed, plain, **tolerance)
