@@ -28,7 +28,6 @@ from eagle_core.recipe import REFERENCE
 
 LM_HEAD_INITS = ("random", "target")
 # The draft kinds a training job can build (`--draft-kind`): their DraftConfig switches.
-# P-EAGLE: every depth of a round drafted in one forward (`parallel_drafting`; see DraftConfig).
 DRAFT_KINDS = {"eagle3": {}, "eagle3.1": {"norm_before_fc": True, "norm_output": True},
                "p-eagle": {"parallel_drafting": True}}
 
@@ -64,12 +63,10 @@ class DraftConfig:
     # head, which then applies no second norm). False, False: EAGLE-3 as vLLM, SGLang and SpecForge run it.
     norm_before_fc: bool = False
     norm_output: bool = False
-    # P-EAGLE (vLLM: `parallel_drafting`, `mask_token_id`, the `mask_hidden` tensor): depths 2.. of a round are drafted
-    # in the same forward as depth 1, each at its own position, fed the embedding of `mask_token_id` (the target's,
-    # frozen) and a learned feature vector `mask_hidden` (3 x target hidden, fused by `fc` like the target's) in
-    # place of a token and of the previous depth's hidden state.
+    # P-EAGLE (vLLM: `parallel_drafting`, `mask_token_id`, the `mask_hidden` tensor): a round's depths 2.. in one forward
+    # over mask slots: the (frozen, target's) embedding of `mask_token_id` and a learned feature vector `mask_hidden`.
     parallel_drafting: bool = False
-    mask_token_id: int | None = None
+    mask_token_id: int | None = None  # None: 0 for a P-EAGLE draft (any id serves: mask_hidden marks the slot)
     target_num_hidden_layers: int | None = None  # lets a loader check aux_layer_ids against a target
     extra: dict = field(default_factory=dict)  # free-form lineage (target name, training run, ...)
 
@@ -88,7 +85,7 @@ class DraftConfig:
         if self.ttt_steps < 1:
             raise ValueError("ttt_steps must be >= 1")
         if self.parallel_drafting and self.mask_token_id is None:
-            self.mask_token_id = 0  # any id serves: the learned mask_hidden tells a mask slot from a real one
+            self.mask_token_id = 0
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.target_vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocab")
         rotary_embedding(self)  # fail now on an unsupported rope_scaling, not at the first forward
