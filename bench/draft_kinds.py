@@ -35,14 +35,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafts", required=True, help="comma-separated NAME=FOLDER (save_draft layout)")
     p.add_argument("--target", default=SMOLLM2_NAME, help="the target the drafts were trained for")
     p.add_argument("--prompts", default="mtbench", help="prompt set (pipelines/prompt_sets.py)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-prompts", type=int, default=16, help="measured prompts")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
+    p.add_argument("--dtype", default="float32", help="the target's and the drafts' dtype")
     p.add_argument("--depth", type=int, default=3, help="K: our chain's depth and vLLM's draft tokens per step")
     p.add_argument("--tree", default="8,2,16", help="the fixed tree of the tree method: top-k,depth,nodes")
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True, help="vLLM's rows")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="folder of draft_kinds.json and draft_kinds.md")
     return p.parse_args(argv)
 
 

@@ -51,7 +51,9 @@ class OneDNNHandle:
 
     def __init__(self, weight: torch.Tensor):
         self.n, self.k = weight.shape
-        self.handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), 32), dtype=torch.int64)
+        release_dropped_handles()
+        self.pointer = torch.ops._C.create_onednn_mm_handler(weight.t(), 32)  # a Python int
+        self.handle = torch.tensor(self.pointer, dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty((*x.shape[:-1], self.n), dtype=x.dtype)
@@ -59,7 +61,17 @@ class OneDNNHandle:
         return out
 
     def __del__(self):
-        torch.ops._C.release_dnnl_matmul_handler(int(self.handle))
+        # No torch call here: the garbage collector runs this anywhere, e.g. inside a compile's fake-tensor mode, where
+        # an op call fails (and leaves torch's dispatch state broken). The handle is released at the next pack or exit.
+        _DROPPED.append(self.pointer)
+
+
+_DROPPED: list[int] = []  # handles whose pack was dropped, released outside the garbage collector
+
+
+def release_dropped_handles() -> None:
+    while _DROPPED:
+        torch.ops._C.release_dnnl_matmul_handler(_DROPPED.pop())
 
 
 # Whether packs use vLLM's oneDNN kernels where they are installed (`vllm_kernels`); False: torch's own packs.
@@ -149,6 +161,8 @@ def packed_linears(model):
                 del _ACTIVE[key]
                 for linear in _linears(model):
                     linear.__dict__.pop("forward", None)
+            if _DROPPED and not torch.compiler.is_compiling():
+                release_dropped_handles()
 
 
 # The dtypes in which our decoder packs by default (`decode_kernels`): both, measured (bench/results/cpu-speed/).
