@@ -123,7 +123,8 @@ def test_pipeline_on_two_nodes_with_s3_and_an_mlflow_server(s3_endpoint, tiny_ta
         # The head's port answers before its node is registered; a worker node started then competes with the
         # head's start-up, and on a loaded machine its raylet missed Ray's 30 s registration deadline. So the
         # worker node starts at least 5 s after the port answered (the wait for the tracking server counts).
-        wait_until(lambda: accepts(ray_port), "the Ray head")
+        # 300 s, as for the Serve app: beside the other test process's engines the head once took more than 120 s
+        wait_until(lambda: accepts(ray_port), "the Ray head", timeout=300)
         head_answered = time.monotonic()
         wait_until(lambda: answers(f"{tracking_uri}/health"), "the MLflow server")
         time.sleep(max(0.0, 5 - (time.monotonic() - head_answered)))
