@@ -51,11 +51,16 @@ from eagle_core.verify import SamplingConfig
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "tree_context", "auto",
            "plain_static", "auto_static", "plain_unpacked", "auto_unpacked", "plain_torchpacks", "auto_torchpacks",
+           "plain_unfused", "auto_unfused",
            "vllm")  # "vllm": vLLM plain and vLLM + the draft at each --vllm-k (bench/vllm_runner.py)
 # "<method>_static": the method on the static caches with compiled steps (`eagle_core.static_rows.inductor`: one
 # graph per step, row bucket and verify width; compiled in the warm-up, or loaded from torch's persistent cache).
 # "<method>_unpacked": the method with the plain CPU linear (`eagle_core.packed_linear.DECODE_DTYPES` empty);
-# "<method>_torchpacks": on torch's packs, not vLLM's kernels (`packed_linear.USE_VLLM_KERNELS` off).
+# "<method>_torchpacks": on torch's packs, not vLLM's kernels (`packed_linear.USE_VLLM_KERNELS` off);
+# "<method>_unfused": sibling linears packed and run one by one, transformers' RMSNorm (`packed_linear.FUSE_SIBLINGS`,
+# `FUSED_NORMS` off).
+VARIANTS = {"_unpacked": {"DECODE_DTYPES": set()}, "_torchpacks": {"USE_VLLM_KERNELS": False},
+            "_unfused": {"FUSE_SIBLINGS": False, "FUSED_NORMS": False}}
 STATIC_CAPACITY = 2048
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 COST_CONTEXT = 300  # cache length of the cost table (tokens)
@@ -116,15 +121,16 @@ class Runner:
             tokens = out[0, len(ids):].tolist()
             seconds = time.perf_counter() - t0
             return dict(tokens=tokens, seconds=seconds, rounds=None, accepted=None, draft_s=None, verify_s=None)
-        for suffix, setting, value in (("_unpacked", "DECODE_DTYPES", set()),
-                                       ("_torchpacks", "USE_VLLM_KERNELS", False)):
+        for suffix, settings in VARIANTS.items():
             if method.endswith(suffix):
-                saved = getattr(packed_linear, setting)
-                setattr(packed_linear, setting, value)
+                saved = {name: getattr(packed_linear, name) for name in settings}
+                for name, value in settings.items():
+                    setattr(packed_linear, name, value)
                 try:
                     return self._run(method, method.removesuffix(suffix), ids, max_new_tokens)
                 finally:
-                    setattr(packed_linear, setting, saved)
+                    for name, value in saved.items():
+                        setattr(packed_linear, name, value)
         return self._run(method, method, ids, max_new_tokens)
 
     def chooser(self, method: str) -> ModeChooser:

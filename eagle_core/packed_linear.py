@@ -13,7 +13,9 @@ Packed once, the same products skip that work and stream the weights faster. Two
 
 `packed_linears(model)`: within it, every `nn.Linear` of `model` with a CPU weight in bf16 or fp32 runs on its
 packed weight. A pack is made once per weight, kept beside the module (a second copy of the weights), and made
-again when the weight changes in place (its version counter moves; an inference tensor has none). Outside the context the modules are untouched:
+again when the weight changes in place (its version counter moves; an inference tensor has none). Sibling linears
+(an attention's q/k/v, a gated MLP's gate/up: `SIBLINGS`) share one pack and one product. RMSNorms of Llama's
+formula run on vLLM's fused kernel (`rms_norm_forward`). Outside the context the modules are untouched:
 transformers' own forward and `generate`, the reference decoding is held against, never run on a pack. The packed
 kernels have no autograd: under grad mode with an input or weight that requires grad, the plain linear runs.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import logging
 import threading
 import weakref
@@ -39,6 +42,7 @@ _ACTIVE: dict[int, int] = {}  # id(model) -> nesting depth of its packed_linears
 _LOCK = threading.Lock()
 
 
+@functools.cache
 def available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -63,7 +67,10 @@ class OneDNNHandle:
     def __del__(self):
         # No torch call here: the garbage collector runs this anywhere, e.g. inside a compile's fake-tensor mode, where
         # an op call fails (and leaves torch's dispatch state broken). The handle is released at the next pack or exit.
-        _DROPPED.append(self.pointer)
+        try:
+            _DROPPED.append(self.pointer)
+        except (AttributeError, NameError, TypeError):  # interpreter shutdown: module globals gone; the process ends
+            pass
 
 
 _DROPPED: list[int] = []  # handles whose pack was dropped, released outside the garbage collector
@@ -76,6 +83,8 @@ def release_dropped_handles() -> None:
 
 # Whether packs use vLLM's oneDNN kernels where they are installed (`vllm_kernels`); False: torch's own packs.
 USE_VLLM_KERNELS = True
+# Whether `SIBLINGS` share one pack and one product (read at a model's first packed context).
+FUSE_SIBLINGS = True
 
 
 @functools.cache
@@ -108,34 +117,151 @@ def _version(weight: torch.Tensor) -> int:
     return -1 if weight.is_inference() else weight._version
 
 
-def _packed(linear: torch.nn.Linear) -> torch.Tensor:
-    weight = linear.weight
+def _packed(key, linears: list[torch.nn.Linear]) -> tuple[object, torch.Tensor | None]:
+    """(the pack, the bias) of `linears`' weights stacked along the output features (one linear, or a group of
+    `SIBLINGS`), made again when a weight or bias changed in place. `key`: what the pack is kept under."""
+    params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
+    version = tuple(_version(p) for p in params)
     packs = _PACKS["vllm" if USE_VLLM_KERNELS and vllm_kernels() else "torch"]
-    got = packs.get(linear)
-    if got is not None and got[0] == _version(weight):
+    got = packs.get(key)
+    if got is not None and got[0] == version:
         return got[1]
     with torch.no_grad():
-        w = weight.detach()
+        w = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        bias = linears[0].bias
+        if bias is not None and len(linears) > 1:
+            bias = torch.cat([m.bias.detach() for m in linears])
         pack = OneDNNHandle(w) if packs is _PACKS["vllm"] else torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    packs[linear] = (_version(weight), pack)
-    return pack
+    packs[key] = (version, (pack, bias))
+    return pack, bias
 
 
-def packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)` on its packed weight (the plain linear where a pack cannot serve: see the module docstring)."""
-    weight, bias = linear.weight, linear.bias
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
-    pack = _packed(linear)
+def _plain_only(linear: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Where a pack cannot serve: autograd through the input or the weight, or mixed dtypes."""
+    weight = linear.weight
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype
+
+
+def _run(pack, bias, x: torch.Tensor) -> torch.Tensor:
     if isinstance(pack, OneDNNHandle):
         return pack(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, pack, bias, "none", [], "")
 
 
-def _linears(model) -> list[torch.nn.Linear]:
-    # exactly nn.Linear: a subclass may have its own forward (Llama 4's MoE router returns scores and logits)
-    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-            and not m.weight.is_meta and available(m.weight.dtype)]
+def packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` on its packed weight (the plain linear where a pack cannot serve: see the module docstring)."""
+    if _plain_only(linear, x):
+        return F.linear(x, linear.weight, linear.bias)
+    return _run(*_packed(linear, [linear]), x)
+
+
+# Sibling linears: children of one module, by name, that a forward calls one after the other on the same input (an
+# attention's query, key and value projections; a gated MLP's gate and up projections). Packed as one matrix, the
+# first call computes every sibling's output in one product and the others take theirs (`_Siblings`): on this CPU a
+# SmolLM2 step makes 4 products per layer instead of 7, each with its thread start-up and its pass over the input.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Siblings:
+    """One group of `SIBLINGS`: the first member called on an input x computes all the members' outputs (views of one
+    product); a member later called on that same x (the same tensor object, unchanged in place) takes its own,
+    each once; a member called on another input computes the group's product on it instead. Per thread."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        self.state = threading.local()  # .pending: (x, its version, the outputs, the members yet to take theirs)
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        linear = self.linears[i]
+        if _plain_only(linear, x):
+            return F.linear(x, linear.weight, linear.bias)
+        pending = getattr(self.state, "pending", None)
+        if pending is not None and pending[0] is x and pending[1] == _version(x) and i in pending[3]:
+            pending[3].discard(i)
+            if not pending[3]:
+                self.state.pending = None
+            return pending[2][i]
+        outputs = _run(*_packed(self, self.linears), x).split(self.sizes, dim=-1)
+        self.state.pending = (x, _version(x), outputs, set(range(len(self.linears))) - {i})
+        return outputs[i]
+
+    def clear(self) -> None:
+        self.state.pending = None
+
+
+def _sibling_groups(model) -> dict[torch.nn.Linear, tuple[_Siblings, int]]:
+    """linear -> (its group, its place in it), for every `SIBLINGS` group of exactly `nn.Linear`s with one input
+    size, one dtype and device, and biases on all or none."""
+    groups = {}
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = [module._modules.get(n) for n in names]
+            if not all(type(m) is torch.nn.Linear for m in members):
+                continue
+            if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}) == 1:
+                group = _Siblings(members)
+                groups.update({m: (group, i) for i, m in enumerate(members)})
+    return groups
+
+
+# model -> [(linear, its packed forward)] of every nn.Linear in it, found once per model: walking a 30-layer model's
+# modules on every step's entry and exit cost 3.6 ms of a 35 ms bf16 SmolLM2 step (profiled, this CPU).
+# Kept per value of FUSE_SIBLINGS, so that switching it (the benchmark's variants) finds the other set.
+_MODEL_LINEARS: "dict[bool, weakref.WeakKeyDictionary[torch.nn.Module, list]]" = {
+    True: weakref.WeakKeyDictionary(), False: weakref.WeakKeyDictionary()}
+
+
+def _linears(model) -> list[tuple[torch.nn.Module, object]]:
+    """Every `nn.Linear` of `model` (exactly that class: a subclass may have its own forward, as Llama 4's MoE router
+    has) with its packed forward (its `_Siblings` group's where it has one), and every RMSNorm of Llama's formula
+    with `rms_norm_forward`, found at the model's first packed context (modules added later run as they are)."""
+    known = _MODEL_LINEARS[FUSE_SIBLINGS]
+    found = known.get(model)
+    if found is None:
+        groups = _sibling_groups(model) if FUSE_SIBLINGS else {}
+        found = known[model] = [
+            (m, functools.partial(groups[m][0].forward, groups[m][1]) if m in groups
+             else functools.partial(packed_forward, m))
+            for m in model.modules() if type(m) is torch.nn.Linear]
+        found += [(m, functools.partial(rms_norm_forward, m)) for m in model.modules() if _llama_rms_norm(type(m))]
+    return found
+
+
+# Whether RMSNorms of Llama's formula run on vLLM's fused kernel where it is loaded (`rms_norm_forward`).
+FUSED_NORMS = True
+
+
+@functools.cache
+def _llama_rms_norm(cls: type) -> bool:
+    """Whether `cls`'s forward is transformers' Llama RMSNorm, word for word (Mistral's, Qwen2/3's, Phi-3's,
+    Granite's are; Gemma's (1 + weight), OLMo-2's (weight before the cast) and others are not)."""
+    if not issubclass(cls, torch.nn.Module) or not cls.__name__.endswith("RMSNorm"):
+        return False
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    try:
+        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def rms_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for an RMSNorm of Llama's formula (float32 statistics, the normalised input cast back, times the
+    weight) in one kernel, vLLM's `rms_norm`, instead of transformers' eight ops (two dtype casts among them); its
+    own forward under autograd, with mixed dtypes, or without vLLM's kernels."""
+    weight = norm.weight
+    if (not (FUSED_NORMS and USE_VLLM_KERNELS and vllm_kernels()) or x.dtype != weight.dtype
+            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return type(norm).forward(norm, x)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, norm.variance_epsilon)
+    return out
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and not weight.is_meta and available(weight.dtype)
 
 
 @contextlib.contextmanager
@@ -149,8 +275,9 @@ def packed_linears(model):
     with _LOCK:
         depth = _ACTIVE.get(key, 0)
         if depth == 0:
-            for linear in _linears(model):
-                linear.forward = lambda x, linear=linear: packed_forward(linear, x)
+            for linear, forward in _linears(model):
+                if _packable(linear.weight):
+                    linear.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ calls it
         _ACTIVE[key] = depth + 1
     try:
         yield
@@ -159,8 +286,11 @@ def packed_linears(model):
             _ACTIVE[key] -= 1
             if _ACTIVE[key] == 0:
                 del _ACTIVE[key]
-                for linear in _linears(model):
+                for linear, forward in _linears(model):
                     linear.__dict__.pop("forward", None)
+                    group = getattr(forward.func, "__self__", None)
+                    if group is not None:  # a `_Siblings` group: no input or outputs kept past the context
+                        group.clear()
             if _DROPPED and not torch.compiler.is_compiling():
                 release_dropped_handles()
 
