@@ -136,9 +136,10 @@ def _packed(key, linears: list[torch.nn.Linear]) -> tuple[object, torch.Tensor |
     return pack, bias
 
 
-def _plain_only(linear: torch.nn.Linear, x: torch.Tensor) -> bool:
-    """Where a pack cannot serve: autograd through the input or the weight, or mixed dtypes."""
-    weight = linear.weight
+def _plain_only(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Where a packed or fused kernel cannot serve `module(x)` (a linear, a norm): autograd through the input or the
+    module's weight, or mixed dtypes."""
+    weight = module.weight
     return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype
 
 
@@ -250,13 +251,11 @@ def rms_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` for an RMSNorm of Llama's formula (float32 statistics, the normalised input cast back, times the
     weight) in one kernel, vLLM's `rms_norm`, instead of transformers' eight ops (two dtype casts among them); its
     own forward under autograd, with mixed dtypes, or without vLLM's kernels."""
-    weight = norm.weight
-    if (not (FUSED_NORMS and USE_VLLM_KERNELS and vllm_kernels()) or x.dtype != weight.dtype
-            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if not (FUSED_NORMS and USE_VLLM_KERNELS and vllm_kernels()) or _plain_only(norm, x):
         return type(norm).forward(norm, x)
     x = x.contiguous()
     out = torch.empty_like(x)
-    torch.ops._C.rms_norm(out, x, weight, norm.variance_epsilon)
+    torch.ops._C.rms_norm(out, x, norm.weight, norm.variance_epsilon)
     return out
 
 
