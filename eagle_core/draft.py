@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_core.recipe import REFERENCE
-from eagle_core.rope import _rope_of, apply_rope, rotary_embedding, rotate_half  # noqa: F401 (importers)
+from eagle_core.rope import _rope_of, apply_rope, rotary_embedding
 
 LM_HEAD_INITS = ("random", "target")
 # The draft kinds a training job can build (`--draft-kind`): their DraftConfig switches.
