@@ -51,16 +51,18 @@ from eagle_core.verify import SamplingConfig
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "plain", "chain", "tree", "tree_other_head", "tree_context", "auto",
            "plain_static", "auto_static", "plain_unpacked", "auto_unpacked", "plain_torchpacks", "auto_torchpacks",
-           "plain_unfused", "auto_unfused",
+           "plain_unfused", "auto_unfused", "plain_unlayered", "auto_unlayered",
            "vllm")  # "vllm": vLLM plain and vLLM + the draft at each --vllm-k (bench/vllm_runner.py)
 # "<method>_static": the method on the static caches with compiled steps (`eagle_core.static_rows.inductor`: one
 # graph per step, row bucket and verify width; compiled in the warm-up, or loaded from torch's persistent cache).
 # "<method>_unpacked": the method with the plain CPU linear (`eagle_core.packed_linear.DECODE_DTYPES` empty);
 # "<method>_torchpacks": on torch's packs, not vLLM's kernels (`packed_linear.USE_VLLM_KERNELS` off);
-# "<method>_unfused": sibling linears packed and run one by one, transformers' RMSNorm (`packed_linear.FUSE_SIBLINGS`,
-# `FUSED_NORMS` off).
+# "<method>_unfused": sibling linears packed and run one by one, transformers' RMSNorm and decoder layers
+# (`packed_linear.FUSE_SIBLINGS`, `FUSED_NORMS`, `FUSED_LAYERS` off); "<method>_unlayered": transformers' decoder
+# layers on the fused packs and norms (`FUSED_LAYERS` off: what `eagle_core.llama_layer` buys).
 VARIANTS = {"_unpacked": {"DECODE_DTYPES": set()}, "_torchpacks": {"USE_VLLM_KERNELS": False},
-            "_unfused": {"FUSE_SIBLINGS": False, "FUSED_NORMS": False}}
+            "_unfused": {"FUSE_SIBLINGS": False, "FUSED_NORMS": False, "FUSED_LAYERS": False},
+            "_unlayered": {"FUSED_LAYERS": False}}
 STATIC_CAPACITY = 2048
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 COST_CONTEXT = 300  # cache length of the cost table (tokens)

@@ -273,12 +273,13 @@ class DecodingState:
             features = CommittedFeatures(ids, len(prompts))
         kv = TargetKV(len(prompts), device, features) if static is None else StaticKV(target, len(prompts), static)
         aux_layer_ids = list(draft.config.aux_layer_ids) if draft is not None else None
-        logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
-        root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)
-        dkv, draft_hidden = None, None
-        if draft is not None:
-            dkv = DraftKV(len(prompts), device) if static is None else StaticDraftKV(draft, len(prompts), static)
-            draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
+        with decode_kernels(target, static is None), decode_kernels(draft, static is None):  # as `step` runs them
+            logits, aux, ids, lengths = prefill(target, kv, prompts, aux_layer_ids)
+            root = sample_next(logits, sampling, seeds, lengths)  # [B], at positions len(prompt)
+            dkv, draft_hidden = None, None
+            if draft is not None:
+                dkv = DraftKV(len(prompts), device) if static is None else StaticDraftKV(draft, len(prompts), static)
+                draft_hidden = draft_prefill(draft, dkv, aux, ids, lengths, root)
         state = cls(target, draft, sampling, tree, kv, dkv, root, draft_hidden, seeds)
         first = root.tolist()
         if draft is not None and tree is not None and tree.context_chain > 0:

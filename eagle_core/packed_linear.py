@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-# Per kind of pack ("vllm", "torch"): linear -> (the weight's version when packed, its pack)
+# Per kind of pack ("vllm", "torch"): linear (or a stacked group's key) -> (its weights and biases that have a version,
+# their versions when packed, (the pack, the bias))
 _PACKS: "dict[str, weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, object]]]" = {
     "vllm": weakref.WeakKeyDictionary(), "torch": weakref.WeakKeyDictionary()}
 _ACTIVE: dict[int, int] = {}  # id(model) -> nesting depth of its packed_linears contexts
@@ -83,8 +84,10 @@ def release_dropped_handles() -> None:
 
 # Whether packs use vLLM's oneDNN kernels where they are installed (`vllm_kernels`); False: torch's own packs.
 USE_VLLM_KERNELS = True
-# Whether `SIBLINGS` share one pack and one product (read at a model's first packed context).
+# Whether `SIBLINGS` share one pack and one product, and whether Llama's decoder layers run as one function
+# (`eagle_core.llama_layer`); both read at a model's first packed context.
 FUSE_SIBLINGS = True
+FUSED_LAYERS = True
 
 
 @functools.cache
@@ -120,19 +123,19 @@ def _version(weight: torch.Tensor) -> int:
 def _packed(key, linears: list[torch.nn.Linear]) -> tuple[object, torch.Tensor | None]:
     """(the pack, the bias) of `linears`' weights stacked along the output features (one linear, or a group of
     `SIBLINGS`), made again when a weight or bias changed in place. `key`: what the pack is kept under."""
-    params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
-    version = tuple(_version(p) for p in params)
     packs = _PACKS["vllm" if USE_VLLM_KERNELS and vllm_kernels() else "torch"]
     got = packs.get(key)
-    if got is not None and got[0] == version:
-        return got[1]
+    if got is not None and [p._version for p in got[0]] == got[1]:  # (called ~120 times a step: kept cheap)
+        return got[2]
+    params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
+    versioned = [p for p in params if not p.is_inference()]  # an inference tensor has no version: it cannot change
     with torch.no_grad():
         w = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
         bias = linears[0].bias
         if bias is not None and len(linears) > 1:
             bias = torch.cat([m.bias.detach() for m in linears])
         pack = OneDNNHandle(w) if packs is _PACKS["vllm"] else torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    packs[key] = (version, (pack, bias))
+    packs[key] = (versioned, [p._version for p in versioned], (pack, bias))
     return pack, bias
 
 
@@ -206,26 +209,34 @@ def _sibling_groups(model) -> dict[torch.nn.Linear, tuple[_Siblings, int]]:
     return groups
 
 
-# model -> [(linear, its packed forward)] of every nn.Linear in it, found once per model: walking a 30-layer model's
+# model -> [(module, its forward, the weight that says whether it can run packed)] of every nn.Linear in it, RMSNorm of
+# Llama's formula and Llama decoder layer (`eagle_core.llama_layer`), found once per model: walking a 30-layer model's
 # modules on every step's entry and exit cost 3.6 ms of a 35 ms bf16 SmolLM2 step (profiled, this CPU).
-# Kept per value of FUSE_SIBLINGS, so that switching it (the benchmark's variants) finds the other set.
-_MODEL_LINEARS: "dict[bool, weakref.WeakKeyDictionary[torch.nn.Module, list]]" = {
-    True: weakref.WeakKeyDictionary(), False: weakref.WeakKeyDictionary()}
+# Kept per value of (FUSE_SIBLINGS, FUSED_LAYERS), so that switching them (the benchmark's variants) finds the other set.
+_MODEL_LINEARS: "dict[tuple, weakref.WeakKeyDictionary[torch.nn.Module, list]]" = {}
 
 
-def _linears(model) -> list[tuple[torch.nn.Module, object]]:
+def _linears(model) -> list[tuple[torch.nn.Module, object, torch.Tensor]]:
     """Every `nn.Linear` of `model` (exactly that class: a subclass may have its own forward, as Llama 4's MoE router
-    has) with its packed forward (its `_Siblings` group's where it has one), and every RMSNorm of Llama's formula
-    with `rms_norm_forward`, found at the model's first packed context (modules added later run as they are)."""
-    known = _MODEL_LINEARS[FUSE_SIBLINGS]
+    has) with its packed forward (its `_Siblings` group's where it has one), every RMSNorm of Llama's formula with
+    `rms_norm_forward` and every Llama decoder layer with `layer_forward`, found at the model's first packed context
+    (modules added later run as they are)."""
+    known = _MODEL_LINEARS.setdefault((FUSE_SIBLINGS, FUSED_LAYERS), weakref.WeakKeyDictionary())
     found = known.get(model)
     if found is None:
         groups = _sibling_groups(model) if FUSE_SIBLINGS else {}
         found = known[model] = [
             (m, functools.partial(groups[m][0].forward, groups[m][1]) if m in groups
-             else functools.partial(packed_forward, m))
+             else functools.partial(packed_forward, m), m.weight)
             for m in model.modules() if type(m) is torch.nn.Linear]
-        found += [(m, functools.partial(rms_norm_forward, m)) for m in model.modules() if _llama_rms_norm(type(m))]
+        found += [(m, functools.partial(rms_norm_forward, m), m.weight) for m in model.modules()
+                  if _llama_rms_norm(type(m))]
+        if FUSED_LAYERS:
+            from eagle_core import llama_layer
+
+            plans = [(m, llama_layer.LayerPlan.of(m)) for m in model.modules() if hasattr(m, "self_attn")]
+            found += [(m, functools.partial(llama_layer.layer_forward, m, plan), plan.o.weight)
+                      for m, plan in plans if plan is not None]
     return found
 
 
@@ -274,9 +285,9 @@ def packed_linears(model):
     with _LOCK:
         depth = _ACTIVE.get(key, 0)
         if depth == 0:
-            for linear, forward in _linears(model):
-                if _packable(linear.weight):
-                    linear.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ calls it
+            for module, forward, weight in _linears(model):
+                if _packable(weight):
+                    module.__dict__["forward"] = forward  # an instance attribute: nn.Module.__call__ calls it
         _ACTIVE[key] = depth + 1
     try:
         yield
@@ -285,8 +296,8 @@ def packed_linears(model):
             _ACTIVE[key] -= 1
             if _ACTIVE[key] == 0:
                 del _ACTIVE[key]
-                for linear, forward in _linears(model):
-                    linear.__dict__.pop("forward", None)
+                for module, forward, _ in _linears(model):
+                    module.__dict__.pop("forward", None)
                     group = getattr(forward.func, "__self__", None)
                     if group is not None:  # a `_Siblings` group: no input or outputs kept past the context
                         group.clear()

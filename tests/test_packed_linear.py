@@ -33,7 +33,7 @@ def test_packed_products_equal_the_plain_linear(dtype, rows, kernels, monkeypatc
             assert all("forward" in m.__dict__ for m in model)  # the packs are in use
             packed = model(x)
             kind = packed_linear.OneDNNHandle if kernels == "vllm" else torch.Tensor
-            assert all(isinstance(packed_linear._PACKS[kernels][m][1][0], kind) for m in model)
+            assert all(isinstance(packed_linear._PACKS[kernels][m][2][0], kind) for m in model)
     assert all("forward" not in m.__dict__ for m in model)  # and the modules their own again
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(packed, plain, **tolerance)
@@ -103,7 +103,7 @@ def test_sibling_linears_share_one_product_and_each_gets_its_own_output(kernels,
         with packed_linears(block):
             got = [block.q_proj(x), block.k_proj(x), block.v_proj(x), block.gate_proj(x), block.up_proj(x)]
             packs = packed_linear._PACKS[kernels]
-            forwards = dict(packed_linear._linears(block))
+            forwards = {m: forward for m, forward, _ in packed_linear._linears(block)}
             groups = {forwards[block.q_proj].func.__self__, forwards[block.gate_proj].func.__self__}
             assert len(groups) == 2 and all(g in packs for g in groups)  # one pack per group
             assert not any(m in packs for m in block.children())  # and none per member

@@ -1,0 +1,78 @@
+"""`eagle_core.llama_layer`: Llama's decoder layers run as one function on the packed kernels inside `packed_linears`
+(issue 55): taken for Llama's layers only, the same hidden states as transformers' own layers, and the layer's own
+forward wherever a hook, autograd or another dtype asks for it."""
+
+import pytest
+import torch
+
+from eagle_core import packed_linear
+from eagle_core.llama_layer import LayerPlan
+from eagle_core.packed_linear import packed_linears
+from family_helpers import SUPPORTED, tiny_family_model
+
+
+def _layers(model):
+    return list(model.model.layers)
+
+
+def test_only_llamas_layers_are_taken():
+    """Source compared: Llama's layers are; every other family of the decoder's matrix keeps its own forward (each
+    differs from Llama's in its attention, its norms or its MLP)."""
+    for name in SUPPORTED:
+        plans = [LayerPlan.of(layer) for layer in _layers(tiny_family_model(name))]
+        assert plans and all((p is not None) == (name == "llama") for p in plans), name
+
+
+def _stacked_packs(model) -> int:
+    """How many of the model's layers have their q/k/v pack made by `layer_forward` (so it ran)."""
+    packs = packed_linear._PACKS["vllm" if packed_linear.vllm_kernels() else "torch"]
+    plans = [forward.args[1] for _, forward, _ in packed_linear._linears(model)
+             if getattr(forward, "func", None) is not None and forward.func.__name__ == "layer_forward"]
+    return sum(plan.qkv_key in packs for plan in plans)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_llama_forward_gives_its_own_hidden_states_and_logits(dtype):
+    """A tiny Llama over a prompt and then one more token on its cache: inside the context every layer runs as
+    `layer_forward` (each made its stacked pack) and the logits equal the model's own forward's."""
+    if not packed_linear.available(dtype):
+        pytest.skip(f"no packed CPU kernel for {dtype} in this torch build")
+    model = tiny_family_model("llama", dtype=dtype)
+    ids = torch.tensor([[5, 9, 31, 7, 2, 64, 11]])
+
+    def run():
+        out = model(ids[:, :-1], use_cache=True)
+        return torch.cat([out.logits, model(ids[:, -1:], past_key_values=out.past_key_values).logits], dim=1)
+
+    with torch.no_grad():
+        own = run()
+        with packed_linears(model):
+            fused = run()
+            assert _stacked_packs(model) == len(_layers(model))
+    assert all("forward" not in layer.__dict__ for layer in _layers(model))  # the layers their own again
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(fused.float(), own.float(), **tolerance)
+
+
+def test_a_hook_on_a_submodule_or_autograd_runs_the_layers_own_forward():
+    """A forward hook on one layer's MLP is called (that layer runs its own forward, the others stay fused), with the
+    same logits; under autograd the layers' own forward runs and gradients reach the weights."""
+    model = tiny_family_model("llama")
+    ids = torch.tensor([[5, 9, 31, 7]])
+    seen = []
+    layers = _layers(model)
+    with torch.no_grad():
+        own = model(ids).logits
+        handle = layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+        try:
+            with packed_linears(model):
+                hooked = model(ids).logits
+                assert _stacked_packs(model) == len(layers) - 1  # the others ran fused
+        finally:
+            handle.remove()
+    assert seen == [torch.Size([1, 4, model.config.hidden_size])]
+    torch.testing.assert_close(hooked, own, rtol=1e-5, atol=1e-5)
+    model.requires_grad_(True)
+    with packed_linears(model):
+        model(ids).logits.sum().backward()
+    assert all(layer.self_attn.q_proj.weight.grad is not None for layer in layers)
