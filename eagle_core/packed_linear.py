@@ -15,7 +15,8 @@ Packed once, the same products skip that work and stream the weights faster. Two
 packed weight. A pack is made once per weight, kept beside the module (a second copy of the weights), and made
 again when the weight changes in place (its version counter moves; an inference tensor has none). Sibling linears
 (an attention's q/k/v, a gated MLP's gate/up: `SIBLINGS`) share one pack and one product. RMSNorms of Llama's
-formula run on vLLM's fused kernel (`rms_norm_forward`). Outside the context the modules are untouched:
+formula run on vLLM's fused kernel (`rms_norm_forward`), Llama's decoder layers as one function on these kernels
+(`eagle_core.llama_layer`). Outside the context the modules are untouched:
 transformers' own forward and `generate`, the reference decoding is held against, never run on a pack. The packed
 kernels have no autograd: under grad mode with an input or weight that requires grad, the plain linear runs.
 """
