@@ -8,8 +8,8 @@ of SmolLM2 (bf16, this CPU, packed kernels) put ~45 % of the time outside the op
 `rms_norm_forward`, q/k/v in one packed product and gate/up in another (the `SIBLINGS` packs), the rotary of the
 queries and keys in one pass over both, the cache's `update` and the attention function transformers would call.
 
-Taken only by a layer whose own forward, attention's, MLP's, rotary function's and norms' are transformers' Llama ones
-word for word (source compared: Llama's and so SmolLM's; of the decoder's other families none today: Mistral's and
+Taken only by a layer whose own forward, attention's, MLP's, rotary function's and norms' are the transformers Llama
+ones this function reproduces, word for word (their sources' hashes, `REPRODUCED`: Llama's and so SmolLM's; of the decoder's other families none today: Mistral's and
 Qwen2's attention pass a sliding window, Qwen3's adds q/k norms, Gemma's scales its norms), with exactly
 `nn.Linear` projections, and only at a call with no hook on any of its submodules, no autograd and the weights' dtype;
 else the layer runs its own forward. Installed and removed with the packs (`packed_linears`): transformers' own
@@ -19,38 +19,26 @@ forward and `generate` never run it.
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from eagle_core.packed_linear import _llama_rms_norm, _packed, _plain_only, _run, rms_norm_forward
+from eagle_core.packed_linear import _llama_rms_norm, _packed, _plain_only, _run, rms_norm_forward, source_hash
 
-def _source(fn) -> str | None:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-
-
-@functools.cache
-def _llama_sources() -> dict[str, str]:
-    from transformers.models.llama import modeling_llama as llama
-
-    return {"layer": _source(llama.LlamaDecoderLayer.forward), "attention": _source(llama.LlamaAttention.forward),
-            "mlp": _source(llama.LlamaMLP.forward), "rotary": _source(llama.apply_rotary_pos_emb),
-            "rotate_half": _source(llama.rotate_half)}
+# The sources `layer_forward` reproduces, by hash: transformers 5.19's Llama decoder layer, attention, MLP, rotary
+# function and rotate_half. A release that changes any of them (or an older one) drops the fast path, its layers run
+# their own forward, until `layer_forward` is checked against the new text and the hashes updated.
+REPRODUCED = {"layer": "75d1d62e173e8c57", "attention": "dc6807936ef6103d", "mlp": "03df2d7685cf8446",
+              "rotary": "ea234325c15de475", "rotate_half": "f714a4b1160c694e"}
 
 
 @functools.cache
 def _llama_classes(layer_cls: type, attention_cls: type, mlp_cls: type) -> bool:
-    ref = _llama_sources()
     module = sys.modules.get(attention_cls.__module__)
-    return (_source(layer_cls.forward) == ref["layer"] and _source(attention_cls.forward) == ref["attention"]
-            and _source(mlp_cls.forward) == ref["mlp"]
-            and _source(getattr(module, "apply_rotary_pos_emb", None)) == ref["rotary"]
-            and _source(getattr(module, "rotate_half", None)) == ref["rotate_half"])
+    return {"layer": source_hash(layer_cls.forward), "attention": source_hash(attention_cls.forward),
+            "mlp": source_hash(mlp_cls.forward), "rotary": source_hash(getattr(module, "apply_rotary_pos_emb", None)),
+            "rotate_half": source_hash(getattr(module, "rotate_half", None))} == REPRODUCED
 
 
 class LayerPlan:

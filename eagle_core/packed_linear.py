@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import inspect
 import logging
@@ -245,18 +246,27 @@ def _linears(model) -> list[tuple[torch.nn.Module, object, torch.Tensor]]:
 FUSED_NORMS = True
 
 
+def source_hash(fn) -> str | None:
+    """The first 16 hex digits of the sha256 of `fn`'s source text (None where it has none): how a fast path names
+    the transformers code it reproduces."""
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return None
+
+
+# The hash of the RMSNorm forward `rms_norm_forward` reproduces (`source_hash`): transformers 5.19's Llama
+# one. A release that changes it drops the fused kernel (the norms run their own forward) until it is checked again.
+LLAMA_RMS_NORM = "790fa612e4fa57ac"
+
+
 @functools.cache
 def _llama_rms_norm(cls: type) -> bool:
-    """Whether `cls`'s forward is transformers' Llama RMSNorm, word for word (Mistral's, Qwen2/3's, Phi-3's,
-    Granite's are; Gemma's (1 + weight), OLMo-2's (weight before the cast) and others are not)."""
+    """Whether `cls`'s forward is the Llama RMSNorm `rms_norm_forward` reproduces, word for word (Mistral's, Qwen2/3's,
+    Phi-3's, Granite's are; Gemma's (1 + weight), OLMo-2's (weight before the cast) and others are not)."""
     if not issubclass(cls, torch.nn.Module) or not cls.__name__.endswith("RMSNorm"):
         return False
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    try:
-        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
-    except (OSError, TypeError):
-        return False
+    return source_hash(cls.forward) == LLAMA_RMS_NORM
 
 
 def rms_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -76,3 +76,19 @@ def test_a_hook_on_a_submodule_or_autograd_runs_the_layers_own_forward():
     with packed_linears(model):
         model(ids).logits.sum().backward()
     assert all(layer.self_attn.q_proj.weight.grad is not None for layer in layers)
+
+
+def test_a_layer_whose_forward_differs_from_the_reproduced_source_keeps_its_own():
+    """A Llama layer class with another forward (as a transformers release that changes Llama's would be) is not
+    taken: the fast path reproduces one text, named by its hash (`REPRODUCED`)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class ScaledLayer(LlamaDecoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            return 2 * super().forward(hidden_states, **kwargs)
+
+    model = tiny_family_model("llama")
+    layer = model.model.layers[0]
+    assert LayerPlan.of(layer) is not None
+    layer.__class__ = ScaledLayer
+    assert LayerPlan.of(layer) is None
