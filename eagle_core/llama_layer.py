@@ -9,11 +9,11 @@ of SmolLM2 (bf16, this CPU, packed kernels) put ~45 % of the time outside the op
 queries and keys in one pass over both, the cache's `update` and the attention function transformers would call.
 
 Taken only by a layer whose own forward, attention's, MLP's, rotary function's and norms' are the transformers Llama
-ones this function reproduces, word for word (their sources' hashes, `REPRODUCED`: Llama's and so SmolLM's; of the decoder's other families none today: Mistral's and
-Qwen2's attention pass a sliding window, Qwen3's adds q/k norms, Gemma's scales its norms), with exactly
-`nn.Linear` projections, and only at a call with no hook on any of its submodules, no autograd and the weights' dtype;
-else the layer runs its own forward. Installed and removed with the packs (`packed_linears`): transformers' own
-forward and `generate` never run it.
+ones this function reproduces, word for word (their sources' hashes, `REPRODUCED`: Llama's, so SmolLM's; of the
+decoder's other families none today: Mistral's and Qwen2's attention pass a sliding window, Qwen3's adds q/k norms,
+Gemma's scales its norms), with exactly `nn.Linear` projections, and only at a call in eval mode with no hook on any
+of its submodules, no autograd and the weights' dtype; else the layer runs its own forward. Installed and removed with
+the packs (`packed_linears`): transformers' own forward and `generate` never run it.
 """
 
 from __future__ import annotations
@@ -90,11 +90,10 @@ class _PackKey:
     """A weak-referenceable key for a stacked pack in `packed_linear._PACKS`."""
 
 
-
 def layer_forward(layer, plan: LayerPlan, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                   position_ids=None, past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
     """transformers' `LlamaDecoderLayer.forward(hidden_states, ...)` on the packed kernels (module docstring)."""
-    if _plain_only(plan.o, hidden_states) or plan.hooked() or position_embeddings is None:
+    if _plain_only(plan.o, hidden_states) or plan.hooked() or position_embeddings is None or layer.training:
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
@@ -115,7 +114,7 @@ def layer_forward(layer, plan: LayerPlan, hidden_states: torch.Tensor, attention
         key_states, value_states = past_key_values.update(key_states, value_states, attn.layer_idx)
     attention = plan.attention_functions.get_interface(attn.config._attn_implementation, plan.eager_attention)
     out, _ = attention(attn, query_states, key_states, value_states, attention_mask, dropout=0.0,
-                       scaling=attn.scaling, **kwargs)
+                       scaling=attn.scaling, position_ids=position_ids, use_cache=use_cache, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
     hidden_states = residual + _run(*_packed(plan.o, [plan.o]), out)
     residual = hidden_states
