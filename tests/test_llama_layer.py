@@ -1,6 +1,7 @@
-"""`eagle_core.llama_layer`: Llama's decoder layers run as one function on the packed kernels inside `packed_linears`
-(issue 55): taken for Llama's layers only, the same hidden states as transformers' own layers, and the layer's own
-forward wherever a hook, autograd or another dtype asks for it."""
+"""`eagle_core.llama_layer`: Llama-style decoder layers run as one function on the packed kernels inside
+`packed_linears` (issue 55): taken for the layers it reproduces only (Llama's, Mistral's, Qwen2's, Qwen3's), the same
+logits as transformers' own layers, and the layer's own forward wherever a hook, autograd or another source asks
+for it."""
 
 import pytest
 import torch
@@ -15,12 +16,15 @@ def _layers(model):
     return list(model.model.layers)
 
 
-def test_only_llamas_layers_are_taken():
-    """Source compared: Llama's layers are; every other family of the decoder's matrix keeps its own forward (each
-    differs from Llama's in its attention, its norms or its MLP)."""
+TAKEN = {"llama", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3"}
+
+
+def test_only_the_reproduced_layers_are_taken():
+    """Source compared: Llama's, Mistral's, Qwen2's and Qwen3's layers are (with or without a sliding window); every
+    other family of the decoder's matrix keeps its own forward (each differs in its layer, norms, MLP or experts)."""
     for name in SUPPORTED:
         plans = [LayerPlan.of(layer) for layer in _layers(tiny_family_model(name))]
-        assert plans and all((p is not None) == (name == "llama") for p in plans), name
+        assert plans and all((p is not None) == (name in TAKEN) for p in plans), name
 
 
 def _stacked_packs(model) -> int:
@@ -31,14 +35,16 @@ def _stacked_packs(model) -> int:
     return sum(plan.qkv_key in packs for plan in plans)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "qwen2-window", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_llama_forward_gives_its_own_hidden_states_and_logits(dtype):
-    """A tiny Llama over a prompt and then one more token on its cache: inside the context every layer runs as
-    `layer_forward` (each made its stacked pack) and the logits equal the model's own forward's."""
+def test_a_forward_gives_the_models_own_logits(dtype, family):
+    """A tiny model of each reproduced kind (Qwen2's q/k/v with biases, Qwen3's q/k norms, a sliding window) over a
+    prompt and then one more token on its cache: inside the context every layer runs as `layer_forward` (each made its
+    stacked pack) and the logits equal the model's own forward's."""
     if not packed_linear.available(dtype):
         pytest.skip(f"no packed CPU kernel for {dtype} in this torch build")
-    model = tiny_family_model("llama", dtype=dtype)
-    ids = torch.tensor([[5, 9, 31, 7, 2, 64, 11]])
+    model = tiny_family_model(family, dtype=dtype)
+    ids = torch.tensor([[5, 9, 31, 7, 2, 64, 11, 40, 3, 17, 23, 8]])  # past the sliding window (8)
 
     def run():
         out = model(ids[:, :-1], use_cache=True)
