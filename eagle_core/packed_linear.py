@@ -15,8 +15,8 @@ Packed once, the same products skip that work and stream the weights faster. Two
 packed weight. A pack is made once per weight, kept beside the module (a second copy of the weights), and made
 again when the weight changes in place (its version counter moves; an inference tensor has none). Sibling linears
 (an attention's q/k/v, a gated MLP's gate/up: `SIBLINGS`) share one pack and one product. RMSNorms of Llama's
-formula run on vLLM's fused kernel (`rms_norm_forward`), Llama's decoder layers as one function on these kernels
-(`eagle_core.llama_layer`). Outside the context the modules are untouched:
+formula run on vLLM's fused kernel (`rms_norm_forward`), Llama-style decoder layers (Llama, Mistral, Qwen2/3) as one
+function on these kernels (`eagle_core.llama_layer`). Outside the context the modules are untouched:
 transformers' own forward and `generate`, the reference decoding is held against, never run on a pack. The packed
 kernels have no autograd: under grad mode with an input or weight that requires grad, the plain linear runs.
 """
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 # Per kind of pack ("vllm", "torch"): linear (or a stacked group's key) -> (its weights and biases that have a version,
 # their versions when packed, (the pack, the bias))
-_PACKS: "dict[str, weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, object]]]" = {
+_PACKS: "dict[str, weakref.WeakKeyDictionary[object, tuple[list, list, tuple]]]" = {
     "vllm": weakref.WeakKeyDictionary(), "torch": weakref.WeakKeyDictionary()}
 _ACTIVE: dict[int, int] = {}  # id(model) -> nesting depth of its packed_linears contexts
 _LOCK = threading.Lock()
@@ -86,7 +86,7 @@ def release_dropped_handles() -> None:
 
 # Whether packs use vLLM's oneDNN kernels where they are installed (`vllm_kernels`); False: torch's own packs.
 USE_VLLM_KERNELS = True
-# Whether `SIBLINGS` share one pack and one product, and whether Llama's decoder layers run as one function
+# Whether `SIBLINGS` share one pack and one product, and whether Llama-style decoder layers run as one function
 # (`eagle_core.llama_layer`); both read at a model's first packed context.
 FUSE_SIBLINGS = True
 FUSED_LAYERS = True
@@ -212,7 +212,7 @@ def _sibling_groups(model) -> dict[torch.nn.Linear, tuple[_Siblings, int]]:
 
 
 # model -> [(module, its forward, the weight that says whether it can run packed)] of every nn.Linear in it, RMSNorm of
-# Llama's formula and Llama decoder layer (`eagle_core.llama_layer`), found once per model: walking a 30-layer model's
+# Llama's formula and Llama-style decoder layer (`eagle_core.llama_layer`), found once per model: walking a 30-layer model's
 # modules on every step's entry and exit cost 3.6 ms of a 35 ms bf16 SmolLM2 step (profiled, this CPU).
 # Kept per value of (FUSE_SIBLINGS, FUSED_LAYERS): switching them (the benchmark's variants) finds the other set.
 _MODEL_LINEARS: "dict[tuple, weakref.WeakKeyDictionary[torch.nn.Module, list]]" = {}
@@ -221,7 +221,7 @@ _MODEL_LINEARS: "dict[tuple, weakref.WeakKeyDictionary[torch.nn.Module, list]]" 
 def _linears(model) -> list[tuple[torch.nn.Module, object, torch.Tensor]]:
     """Every `nn.Linear` of `model` (exactly that class: a subclass may have its own forward, as Llama 4's MoE router
     has) with its packed forward (its `_Siblings` group's where it has one), every RMSNorm of Llama's formula with
-    `rms_norm_forward` and every Llama decoder layer with `layer_forward`, found at the model's first packed context
+    `rms_norm_forward` and every decoder layer `layer_forward` reproduces, found at the model's first packed context
     (modules added later run as they are)."""
     known = _MODEL_LINEARS.setdefault((FUSE_SIBLINGS, FUSED_LAYERS), weakref.WeakKeyDictionary())
     found = known.get(model)
