@@ -212,8 +212,8 @@ def _sibling_groups(model) -> dict[torch.nn.Linear, tuple[_Siblings, int]]:
 
 
 # model -> [(module, its forward, the weight that says whether it can run packed)] of every nn.Linear in it, RMSNorm of
-# Llama's formula and Llama-style decoder layer (`eagle_core.llama_layer`), found once per model: walking a 30-layer model's
-# modules on every step's entry and exit cost 3.6 ms of a 35 ms bf16 SmolLM2 step (profiled, this CPU).
+# Llama's formula and Llama-style decoder layer (`eagle_core.llama_layer`), found once per model: walking a 30-layer
+# model's modules on every step's entry and exit cost 3.6 ms of a 35 ms bf16 SmolLM2 step (profiled, this CPU).
 # Kept per value of (FUSE_SIBLINGS, FUSED_LAYERS): switching them (the benchmark's variants) finds the other set.
 _MODEL_LINEARS: "dict[tuple, weakref.WeakKeyDictionary[torch.nn.Module, list]]" = {}
 
