@@ -25,7 +25,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from eagle_core.packed_linear import _llama_rms_norm, _packed, _plain_only, _run, rms_norm_forward, source_hash
+from eagle_core.packed_linear import (_llama_rms_norm, _packed, _plain_only, _run, _Siblings, rms_norm_forward,
+                                      source_hash)
 
 # The sources `layer_forward` reproduces, by hash (`source_hash`): transformers 5.19's Llama decoder layer, MLP,
 # rotary function and rotate_half, which Mistral, Qwen2 and Qwen3 share word for word, and the attentions of the four,
@@ -59,11 +60,11 @@ def _attention_kind(layer_cls: type, attention_cls: type, mlp_cls: type) -> Atte
 
 
 class LayerPlan:
-    """What `layer_forward` needs of one layer, found once: its attention's kind, its submodules, the pack keys of its
-    q/k/v and gate/up, the head counts. `LayerPlan.of(layer)` is None where the layer is none of the reproduced ones
-    (module docstring)."""
+    """What `layer_forward` needs of one layer, found once: its attention's kind, its submodules, its q/k/v and gate/up
+    sibling groups (whose stacked packs it runs), the head counts. `LayerPlan.of(layer)` is None where the layer is
+    none of the reproduced ones (module docstring)."""
 
-    def __init__(self, layer, kind: AttentionKind):
+    def __init__(self, layer, kind: AttentionKind, groups: dict):
         from transformers.activations import SiLUActivation
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -85,7 +86,10 @@ class LayerPlan:
         # themselves, whose emptiness is checked per call in one pass
         self.hooks = tuple(t for x in modules for t in (x._forward_hooks, x._forward_pre_hooks)) + tuple(
             getattr(torch.nn.modules.module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks"))
-        self.qkv_key, self.gate_up_key = _PackKey(), _PackKey()  # what the stacked packs are kept under
+        # the groups `packed_linear` made for these siblings (one pack each, shared with a fallback to the layer's own
+        # forward), or groups of their own where siblings are not fused
+        self.qkv_key, self.gate_up_key = (groups[g[0]][0] if g[0] in groups else _Siblings(g)
+                                          for g in (self.qkv, self.gate_up))
 
     def window_kwargs(self) -> dict:
         """The sliding window the family's attention passes its attention function, read as it reads it."""
@@ -94,7 +98,8 @@ class LayerPlan:
         return {"sliding_window": self.attn.sliding_window} if self.kind.window == "module" else {}
 
     @staticmethod
-    def of(layer) -> "LayerPlan | None":
+    def of(layer, groups: dict | None = None) -> "LayerPlan | None":
+        """groups: `packed_linear._sibling_groups` of the model (linear -> (its group, its place)), if made."""
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         kind = None if attn is None or mlp is None else _attention_kind(type(layer), type(attn), type(mlp))
         if kind is None:
@@ -109,14 +114,10 @@ class LayerPlan:
         norms += [attn.q_norm, attn.k_norm] if kind.qk_norm else []
         if not all(_llama_rms_norm(type(n)) for n in norms):
             return None
-        return LayerPlan(layer, kind)
+        return LayerPlan(layer, kind, groups or {})
 
     def hooked(self) -> bool:
         return any(self.hooks)
-
-
-class _PackKey:
-    """A weak-referenceable key for a stacked pack in `packed_linear._PACKS`."""
 
 
 def layer_forward(layer, plan: LayerPlan, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,

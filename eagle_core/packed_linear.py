@@ -236,7 +236,7 @@ def _linears(model) -> list[tuple[torch.nn.Module, object, torch.Tensor]]:
         if FUSED_LAYERS:
             from eagle_core import llama_layer
 
-            plans = [(m, llama_layer.LayerPlan.of(m)) for m in model.modules() if hasattr(m, "self_attn")]
+            plans = [(m, llama_layer.LayerPlan.of(m, groups)) for m in model.modules() if hasattr(m, "self_attn")]
             found += [(m, functools.partial(llama_layer.layer_forward, m, plan), plan.o.weight)
                       for m, plan in plans if plan is not None]
     return found

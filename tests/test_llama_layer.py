@@ -6,7 +6,7 @@ for it."""
 import pytest
 import torch
 
-from eagle_core import packed_linear
+from eagle_core import llama_layer, packed_linear
 from eagle_core.llama_layer import LayerPlan
 from eagle_core.packed_linear import packed_linears
 from family_helpers import SUPPORTED, tiny_family_model
@@ -27,20 +27,26 @@ def test_only_the_reproduced_layers_are_taken():
         assert plans and all((p is not None) == (name in TAKEN) for p in plans), name
 
 
-def _stacked_packs(model) -> int:
-    """How many of the model's layers have their q/k/v pack made by `layer_forward` (so it ran)."""
-    packs = packed_linear._PACKS["vllm" if packed_linear.vllm_kernels() else "torch"]
-    plans = [forward.args[1] for _, forward, _ in packed_linear._linears(model)
-             if getattr(forward, "func", None) is not None and forward.func.__name__ == "layer_forward"]
-    return sum(plan.qkv_key in packs for plan in plans)
+def _fused_runs(model, monkeypatch):
+    """A counter of the model's layers that ran `layer_forward` since: those whose input norm it called (a layer
+    running its own forward calls the norm module instead)."""
+    ran = set()
+    norm_forward = llama_layer.rms_norm_forward
+
+    def spy(norm, x):
+        ran.add(norm)
+        return norm_forward(norm, x)
+
+    monkeypatch.setattr(llama_layer, "rms_norm_forward", spy)
+    return lambda: sum(layer.input_layernorm in ran for layer in _layers(model))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window", "qwen2-window", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_forward_gives_the_models_own_logits(dtype, family):
+def test_a_forward_gives_the_models_own_logits(dtype, family, monkeypatch):
     """A tiny model of each reproduced kind (Qwen2's q/k/v with biases, Qwen3's q/k norms, a sliding window) over a
-    prompt and then one more token on its cache: inside the context every layer runs as `layer_forward` (each made its
-    stacked pack) and the logits equal the model's own forward's."""
+    prompt and then one more token on its cache: inside the context every layer runs as `layer_forward` and the logits
+    equal the model's own forward's."""
     if not packed_linear.available(dtype):
         pytest.skip(f"no packed CPU kernel for {dtype} in this torch build")
     model = tiny_family_model(family, dtype=dtype)
@@ -52,15 +58,16 @@ def test_a_forward_gives_the_models_own_logits(dtype, family):
 
     with torch.no_grad():
         own = run()
+        fused_runs = _fused_runs(model, monkeypatch)
         with packed_linears(model):
             fused = run()
-            assert _stacked_packs(model) == len(_layers(model))
+            assert fused_runs() == len(_layers(model))
     assert all("forward" not in layer.__dict__ for layer in _layers(model))  # the layers their own again
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(fused.float(), own.float(), **tolerance)
 
 
-def test_a_hook_on_a_submodule_or_autograd_runs_the_layers_own_forward():
+def test_a_hook_on_a_submodule_or_autograd_runs_the_layers_own_forward(monkeypatch):
     """A forward hook on one layer's MLP is called (that layer runs its own forward, the others stay fused), with the
     same logits; under autograd the layers' own forward runs and gradients reach the weights."""
     model = tiny_family_model("llama")
@@ -70,10 +77,11 @@ def test_a_hook_on_a_submodule_or_autograd_runs_the_layers_own_forward():
     with torch.no_grad():
         own = model(ids).logits
         handle = layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+        fused_runs = _fused_runs(model, monkeypatch)
         try:
             with packed_linears(model):
                 hooked = model(ids).logits
-                assert _stacked_packs(model) == len(layers) - 1  # the others ran fused
+                assert fused_runs() == len(layers) - 1  # the others ran fused
         finally:
             handle.remove()
     assert seen == [torch.Size([1, 4, model.config.hidden_size])]

@@ -78,7 +78,7 @@ def sdk(deployment):
 
 
 @pytest.fixture(scope="module")
-def vllm_plain(smollm2):
+def plain_greedy(smollm2):
     """The plain greedy continuation of each prompt's ids (completions: the text's ids; chat: the template's) in fp32:
     our plain loop's, which is transformers' greedy (the decoder's exactness tests) and which vLLM's plain greedy
     equals on SmolLM2 (`tests/test_engines.py`; 16 of 16 MT-bench prompts in bench/results/cpu-speed/decode.md).
@@ -94,16 +94,16 @@ def vllm_plain(smollm2):
     return {key: tokenizer.decode(tokens, skip_special_tokens=True) for key, tokens in zip(prompts, out.tokens)}
 
 
-def test_the_openai_sdk_gets_vllms_plain_greedy_text(deployment, sdk, vllm_plain):
+def test_the_openai_sdk_gets_vllms_plain_greedy_text(deployment, sdk, plain_greedy):
     for prompt in PROMPTS:
         r = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert r.choices[0].text == vllm_plain[prompt], (prompt, r.choices[0].text, vllm_plain[prompt])
+        assert r.choices[0].text == plain_greedy[prompt], (prompt, r.choices[0].text, plain_greedy[prompt])
     r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].message.content == vllm_plain["chat"]
+    assert r.choices[0].message.content == plain_greedy["chat"]
     assert r.usage.completion_tokens > 0
     stream = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == vllm_plain["chat"]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain_greedy["chat"]
     assert [m.id for m in sdk.models.list().data] == [MODEL]
 
 
@@ -146,7 +146,7 @@ def test_metrics_report_vllms_acceptance(deployment, sdk):
     assert metric(text, "eagle3_serve_accepted_tokens_total") == accepted  # every request finished: same count
 
 
-def test_a_new_champion_reaches_the_replica(deployment, vllm_plain):
+def test_a_new_champion_reaches_the_replica(deployment, plain_greedy):
     url, client = deployment
     client.set_registered_model_alias(NAME, "champion", "2")
     auth = {"Authorization": f"Bearer {API_KEY}"}
@@ -157,4 +157,4 @@ def test_a_new_champion_reaches_the_replica(deployment, vllm_plain):
             time.sleep(1.0)
         r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
     assert r.status_code == 200 and r.headers[HEADER] == "2", r.text
-    assert r.json()["choices"][0]["text"] == vllm_plain[PROMPTS[0]]
+    assert r.json()["choices"][0]["text"] == plain_greedy[PROMPTS[0]]
